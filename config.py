@@ -1,0 +1,280 @@
+"""Configuration: YAML sections mapped onto dataclasses, dotted command-line overrides, clean user errors.
+
+A config file has four sections, each a dataclass below (``model`` is ``transformer_model.ModelConfig``):
+
+    data:   what to translate and how to tokenize it          (DataConfig)
+    model:  the Transformer's dimensions                       (ModelConfig)
+    train:  optimisation, batching, checkpoints                (TrainConfig)
+    decode: beam search settings used for BLEU and translate   (DecodeConfig)
+
+Every script accepts trailing ``section.key=value`` overrides, parsed as YAML scalars and type-checked
+against the dataclass field, e.g. ``python train_transformer.py --config configs/tiny.yaml train.max_steps=50``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import traceback
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from transformer_model import ModelConfig
+
+
+class UserError(Exception):
+    """A mistake the user can fix (bad config, missing file...): reported as one line, without a traceback."""
+
+
+def cli_main(main, argv=None):
+    """Run ``main(argv)``; a UserError becomes ``error: ...`` on stderr and exit status 2 (--debug: traceback)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("NMT_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return main(argv)
+    except UserError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+@dataclass
+class DataConfig:
+    """Where the parallel text comes from and how it is tokenized (see data_preparation.py)."""
+
+    dataset: str = "multi30k"  # multi30k | files | wmt14
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    raw_dir: str = "data/multi30k"  # raw files are read here, or downloaded here when absent
+    prepared_dir: str = "data/prepared"  # encoded splits are cached under this folder
+    tokenizer: str = "bpe"  # bpe (joint SentencePiece) | spacy (blank tokenizers, one vocabulary per side)
+    vocab_size: int = 8000  # bpe: size of the joint vocabulary
+    min_freq: int = 2  # spacy: words seen fewer times become <unk>
+    lowercase: bool = False  # spacy: lowercase before building the vocabularies
+    max_len: int = 250  # training pairs with a side longer than this (in tokens) are dropped
+    max_len_ratio: float = 3.0  # ... and pairs whose length ratio exceeds this
+    valid_split: str = "val"
+    test_splits: list[str] = field(default_factory=lambda: ["test_2016_flickr", "test_2017_flickr", "test_2017_mscoco"])
+    train_prefix: str = ""  # dataset "files": {prefix}.{lang} text files, one sentence per line
+    valid_prefix: str = ""
+    test_prefixes: list[str] = field(default_factory=list)
+    sample_size: int = 2_000_000  # bpe: sentences sampled to train SentencePiece (input_sentence_size)
+    num_workers: int = 0  # processes used to encode large corpora (0 = one per CPU core, at most 8)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation as in the paper §5.3-5.4, plus checkpointing and evaluation."""
+
+    out_dir: str = "runs/multi30k_en_de"
+    seed: int = 1
+    max_tokens: int = 4096  # tokens per batch (source or target side, padding included)
+    update_freq: int = 1  # gradient accumulation: batches per optimizer step
+    max_steps: int = 10000
+    max_epochs: int = 0  # 0 = no limit
+    max_minutes: float = 0.0  # stop after this much training time (0 = no limit)
+    lr_factor: float = 1.0  # multiplies the schedule of eq. 3
+    warmup: int = 4000
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_norm: float = 0.0  # 0 = no gradient clipping
+    precision: str = "bf16"  # fp32 | bf16 | fp16
+    compile: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    eval_every: int = 500
+    eval_bleu_sentences: int = 0  # 0 = whole validation split for the greedy BLEU during training
+    patience: int = 0  # stop after this many evals without a better val BLEU (0 = never)
+    keep_last: int = 5  # step checkpoints kept on disk
+    average_last: int = 5  # the final model averages the last N step checkpoints (0 or 1 = no averaging)
+    log_every: int = 50
+    resume: bool = False
+    overwrite: bool = False
+    max_bad_steps: int = 10  # non-finite losses in a row before training stops
+
+
+@dataclass
+class DecodeConfig:
+    """Beam search (paper §6.1: beam 4, length penalty 0.6, max length src_len + 50)."""
+
+    beam: int = 4
+    len_penalty: float = 0.6
+    max_len_a: float = 1.0
+    max_len_b: int = 50
+    batch_tokens: int = 4000
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_class(name):
+    return {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "decode": DecodeConfig}[name]
+
+
+def _check_type(where: str, value, annotation):
+    """Return value converted to the field's type, or raise a UserError naming the key."""
+    tp = annotation
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if arg is type(None) and value is None:
+                return None
+            try:
+                return _check_type(where, value, arg)
+            except UserError:
+                pass
+        raise UserError(f"{where}: expected {tp}, got {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(tp) or (object,)
+        if not isinstance(value, list):
+            raise UserError(f"{where}: expected a list, got {value!r}")
+        return [_check_type(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        return value
+    raise UserError(f"{where}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
+
+
+def _build_section(name: str, values: dict, base=None):
+    cls = _section_class(name)
+    fields = typing.get_type_hints(cls)
+    obj = base if base is not None else cls()
+    if not isinstance(values, dict):
+        raise UserError(f"section '{name}' must be a mapping of key: value, got {values!r}")
+    for key, value in values.items():
+        if key not in fields:
+            raise UserError(f"unknown key '{name}.{key}'; valid keys: {', '.join(sorted(fields))}")
+        setattr(obj, key, _check_type(f"{name}.{key}", value, fields[key]))
+    return obj
+
+
+def config_from_dict(d: dict) -> Config:
+    """Build a Config from nested plain values, rejecting unknown sections and keys."""
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise UserError("a config file must be a YAML mapping with sections data/model/train/decode")
+    for name in d:
+        if name not in SECTIONS:
+            raise UserError(f"unknown config section '{name}'; valid sections: {', '.join(SECTIONS)}")
+    return Config(**{name: _build_section(name, d.get(name) or {}) for name in SECTIONS})
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain nested dict of the config: what checkpoints and config.yaml hold."""
+    return dataclasses.asdict(cfg)
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply ``section.key=value`` strings (values parsed as YAML scalars) with the same checks as the file."""
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise UserError(f"override '{item}' must look like section.key=value (e.g. train.max_steps=100)")
+        path, raw = item.split("=", 1)
+        section, key = path.split(".", 1)
+        if section not in SECTIONS:
+            raise UserError(f"unknown config section '{section}' in '{item}'; valid sections: {', '.join(SECTIONS)}")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise UserError(f"cannot parse value in override '{item}': {e}") from None
+        _build_section(section, {key: value}, base=getattr(cfg, section))
+    return cfg
+
+
+def read_yaml(path) -> dict:
+    """Read a YAML file with the safe loader, turning every failure into one clear line."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"config file not found: {p}")
+    if p.is_dir():
+        raise UserError(f"config path is a directory, expected a YAML file: {p}")
+    try:
+        return yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"config file is not UTF-8 text: {p}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def validate(cfg: Config) -> Config:
+    """Reject impossible values early, with the key to fix."""
+    try:  # vocabulary sizes come from the tokenizer later; check the rest now
+        probe = dataclasses.replace(cfg.model, src_vocab_size=cfg.model.src_vocab_size or 1000,
+                                    tgt_vocab_size=cfg.model.tgt_vocab_size or 1000)
+        probe.validate()
+    except ValueError as e:
+        raise UserError(f"model: {e}") from None
+    d, t, dec = cfg.data, cfg.train, cfg.decode
+    checks = [
+        (d.dataset in ("multi30k", "files", "wmt14"), f"data.dataset '{d.dataset}' is unknown; use multi30k|files|wmt14"),
+        (d.tokenizer in ("bpe", "spacy"), f"data.tokenizer '{d.tokenizer}' is unknown; use bpe or spacy"),
+        (d.src_lang != d.tgt_lang, "data.src_lang and data.tgt_lang must differ"),
+        (d.vocab_size >= 100, "data.vocab_size must be at least 100"),
+        (d.min_freq >= 1, "data.min_freq must be >= 1"),
+        (d.max_len >= 1 and d.max_len_ratio >= 1.0, "data.max_len must be >= 1 and data.max_len_ratio >= 1"),
+        (t.max_tokens >= 16, "train.max_tokens must be at least 16"),
+        (t.update_freq >= 1, "train.update_freq must be >= 1"),
+        (t.max_steps >= 1, "train.max_steps must be >= 1"),
+        (t.warmup >= 1, "train.warmup must be >= 1 (the schedule of eq. 3 divides by it)"),
+        (t.lr_factor > 0, "train.lr_factor must be > 0"),
+        (0.0 <= t.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)"),
+        (t.clip_norm >= 0, "train.clip_norm must be >= 0"),
+        (t.precision in ("fp32", "bf16", "fp16"), f"train.precision '{t.precision}' is unknown; use fp32|bf16|fp16"),
+        (t.eval_every >= 1 and t.log_every >= 1, "train.eval_every and train.log_every must be >= 1"),
+        (t.keep_last >= 1, "train.keep_last must be >= 1"),
+        (t.average_last >= 0 and t.max_bad_steps >= 1, "train.average_last must be >= 0, train.max_bad_steps >= 1"),
+        (dec.beam >= 1, "decode.beam must be >= 1"),
+        (dec.max_len_a >= 0 and dec.max_len_b >= 1, "decode.max_len_a must be >= 0 and decode.max_len_b >= 1"),
+        (dec.batch_tokens >= 16, "decode.batch_tokens must be at least 16"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+    if t.average_last > t.keep_last:
+        raise UserError(f"train.average_last ({t.average_last}) cannot exceed train.keep_last ({t.keep_last})")
+    return cfg
+
+
+def load_config(path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply command-line overrides, validate."""
+    cfg = config_from_dict(read_yaml(path))
+    apply_overrides(cfg, overrides or [])
+    return validate(cfg)
+
+
+def save_config(cfg: Config, path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")

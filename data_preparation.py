@@ -1,0 +1,695 @@
+"""Data preparation: raw parallel text -> tokenizer + memory-mapped token arrays, and token-count batches.
+
+Flow: find (or download) the raw files of each split -> read and check them -> train the tokenizer on the
+training split -> encode every split -> filter training pairs -> store per split and side a flat token array
+and offsets (.npy), the raw valid/test text (BLEU references) and meta.json, in one cached folder.
+The trainer then reads a split with load_split(), groups it with TokenBatchSampler and pads it with collate().
+
+Token ids are the same for both tokenizers and both languages: pad=0, unk=1, bos=2, eos=3. The encoder
+reads tokens + [eos]; the decoder reads [bos] + tokens and predicts tokens + [eos] (auto-regressive, §3).
+
+    python data_preparation.py --config configs/multi30k_en_de.yaml [--force] [data.tokenizer=spacy ...]
+
+Environment: NMT_DOWNLOAD_URL_BASE replaces the Multi30k download URL (a mirror, or file:///some/dir offline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import http.client
+import itertools
+import json
+import os
+import shutil
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+import torch
+from tqdm import tqdm
+
+from config import DataConfig, UserError, cli_main, load_config
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+SPECIALS = ("<pad>", "<unk>", "<bos>", "<eos>")
+FORMAT_VERSION = 1  # part of the cache key: bump it when the prepared layout changes
+ENCODE_CHUNK = 20_000  # lines per encode call, so the progress bar moves
+
+# ------------------------------------------------------------------------------------------------- raw files
+
+MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
+MULTI30K_LANGS = ("en", "de", "fr", "cs")
+MULTI30K_SPLITS = {  # split -> languages published for it (Czech exists only up to the 2016 test set)
+    "train": MULTI30K_LANGS,
+    "val": MULTI30K_LANGS,
+    "test_2016_flickr": MULTI30K_LANGS,
+    "test_2017_flickr": ("en", "de", "fr"),
+    "test_2017_mscoco": ("en", "de", "fr"),
+}
+MULTI30K_SHA256 = {  # of the published .gz files, so a truncated or altered download never gets used
+    "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
+    "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
+    "train.fr.gz": "622e75069e9f4c577425c4f277116ce66e63a2401c0a2312d90073cb12379a3c",
+    "train.cs.gz": "a65adb8b32e3bc664f21ecba7a6e7f6950fd1f405e135f7c312faabdb6255077",
+    "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
+    "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
+    "val.fr.gz": "ca3106f1a72390591d25f6c45cb4cd39dec4cd3f123e099748a3ce5256c160e9",
+    "val.cs.gz": "b63226e05c4bd5dd6a42897d74b86a1b9d2c31498252c572b1ea7f7996927fcc",
+    "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
+    "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
+    "test_2016_flickr.fr.gz": "6d326e188d259fb1d04ac19eae3af956559b3a0b93d7635e56c90987c40c8b90",
+    "test_2016_flickr.cs.gz": "200a4a74cc9560f051924abb9803be008d1908d77f747e9141aeb86dfd2797f1",
+    "test_2017_flickr.en.gz": "76a444ee25172e72695cddb13ae4a3bda59430617be88e0bb46b60504f054074",
+    "test_2017_flickr.de.gz": "a2c89666db00c495cd8513b9d708d5a3acc205d7de312ef2bf5fb7ebc1540aee",
+    "test_2017_flickr.fr.gz": "3ba671ceb2299f3304ffafefea7a833d08632fbaf0ba18546f8a2ec2391af496",
+    "test_2017_mscoco.en.gz": "aab300bfb4427697987e02cd0aacd44bfe8aa50456231b6474c08038bbed2b58",
+    "test_2017_mscoco.de.gz": "799e4854c25d601cb6cb6be29eabe5667734c61ace2f495e03e429031a0bc338",
+    "test_2017_mscoco.fr.gz": "754f3072ba9f124569ba5258b32730fc1d214bbf8e0c6dfb2b74401676220db0",
+}
+RETRY_DELAYS = (1.0, 4.0)  # seconds to wait before the 2nd and 3rd download attempt
+
+
+def _transient(error: Exception) -> bool:
+    """Worth another attempt: network hiccups, server errors, bad transfers; not a 404 or a disk error."""
+    if isinstance(error, urllib.error.HTTPError):
+        return error.code >= 500 or error.code == 429
+    if isinstance(error, urllib.error.URLError):
+        return not isinstance(error.reason, (FileNotFoundError, PermissionError))
+    return isinstance(error, (ValueError, http.client.HTTPException, TimeoutError, ConnectionError))
+
+
+def download(url: str, dest: Path, sha256: str) -> None:
+    """Fetch url into dest via a temp file checked against the pinned sha256: never a partial dest."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.part{os.getpid()}")
+    for attempt in range(len(RETRY_DELAYS) + 1):
+        try:
+            digest = hashlib.sha256()
+            with urllib.request.urlopen(url, timeout=30) as response, open(tmp, "wb") as out:
+                size = int(response.headers.get("Content-Length") or 0) or None
+                desc = f"download {dest.name}"
+                with tqdm(total=size, unit="B", unit_scale=True, desc=desc, leave=False) as bar:
+                    while chunk := response.read(1 << 16):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        bar.update(len(chunk))
+            if digest.hexdigest() != sha256:
+                raise ValueError(f"sha256 mismatch: got {digest.hexdigest()}, expected {sha256}")
+            os.replace(tmp, dest)
+            return
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            if attempt == len(RETRY_DELAYS) or not _transient(e):
+                raise
+            time.sleep(RETRY_DELAYS[attempt])
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _multi30k_file(raw_dir: Path, split: str, lang: str) -> Path:
+    """The raw file of one Multi30k split and language: plain or gzipped in raw_dir (or in $MULTI30K_DIR, a
+    shared read-only copy), else downloaded into raw_dir."""
+    folders = [raw_dir] + ([Path(os.environ["MULTI30K_DIR"])] if os.environ.get("MULTI30K_DIR") else [])
+    for folder in folders:
+        for name in (f"{split}.{lang}", f"{split}.{lang}.gz"):
+            if (folder / name).is_file():
+                return folder / name
+    name = f"{split}.{lang}.gz"
+    url = (os.environ.get("NMT_DOWNLOAD_URL_BASE") or MULTI30K_URL).rstrip("/") + f"/{name}"
+    try:
+        download(url, raw_dir / name, MULTI30K_SHA256[name])
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        reason = " ".join(str(e).split())
+        raise UserError(f"{name} is not in data.raw_dir={raw_dir} and downloading {url} failed ({reason}); "
+                        f"copy the Multi30k files into data.raw_dir or check the network") from None
+    return raw_dir / name
+
+
+def multi30k_files(cfg: DataConfig) -> dict[str, dict[str, Path]]:
+    """Multi30k task 1 (Elliott et al. 2016): {split: {lang: path}} for train, valid and test splits."""
+    for lang in (cfg.src_lang, cfg.tgt_lang):
+        if lang not in MULTI30K_LANGS:
+            raise UserError(f"Multi30k has no language '{lang}'; choose from {', '.join(MULTI30K_LANGS)}")
+    splits = list(dict.fromkeys(["train", cfg.valid_split, *cfg.test_splits]))
+    for split in splits:
+        if split not in MULTI30K_SPLITS:
+            raise UserError(f"Multi30k has no split '{split}'; choose from {', '.join(MULTI30K_SPLITS)}")
+        for lang in (cfg.src_lang, cfg.tgt_lang):
+            if lang not in MULTI30K_SPLITS[split]:
+                have = ", ".join(MULTI30K_SPLITS[split])
+                raise UserError(f"Multi30k split {split} has no '{lang}' side (only {have}); drop that split")
+    raw_dir = Path(cfg.raw_dir)
+    return {split: {lang: _multi30k_file(raw_dir, split, lang) for lang in (cfg.src_lang, cfg.tgt_lang)}
+            for split in splits}
+
+
+def user_files(cfg: DataConfig) -> dict[str, dict[str, Path]]:
+    """A user's corpus, files {prefix}.{lang}: the valid split is data.valid_split, tests by basename."""
+    if not cfg.train_prefix or not cfg.valid_prefix:
+        raise UserError("dataset 'files' needs data.train_prefix and data.valid_prefix (files PREFIX.LANG)")
+    prefixes = {"train": ("data.train_prefix", cfg.train_prefix),
+                cfg.valid_split: ("data.valid_prefix", cfg.valid_prefix)}
+    for prefix in cfg.test_prefixes:
+        if Path(prefix).name in prefixes:
+            raise UserError(f"data.test_prefixes: split name '{Path(prefix).name}' is taken; rename a file")
+        prefixes[Path(prefix).name] = ("data.test_prefixes", prefix)
+    files = {}
+    for split, (key, prefix) in prefixes.items():
+        files[split] = {}
+        for lang in (cfg.src_lang, cfg.tgt_lang):
+            path = Path(f"{prefix}.{lang}")
+            if not path.is_file():
+                raise UserError(f"data file not found: {path} (from {key}={prefix!r})")
+            files[split][lang] = path
+    return files
+
+
+def wmt14_files(cfg: DataConfig) -> dict[str, dict[str, Path]]:
+    raise UserError("dataset wmt14 is not implemented yet")
+
+
+DATASETS = {"multi30k": multi30k_files, "files": user_files, "wmt14": wmt14_files}
+
+
+def read_lines(path: Path) -> list[str]:
+    """Stripped lines of a UTF-8 file (gzip if .gz), split on "\\n" only: other breaks would shift pairs."""
+    try:
+        with gzip.open(path) if path.suffix == ".gz" else open(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}: line {line} is not valid UTF-8 (byte {data[e.start]:#04x}); "
+                        f"convert the file to UTF-8") from None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.strip() for line in lines]
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, value) -> None:
+    """Write through a temp file and rename, so a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _chunks(lines: list[str]):
+    for i in range(0, len(lines), ENCODE_CHUNK):
+        yield lines[i : i + ENCODE_CHUNK]
+
+
+def _bar(total: int, desc: str) -> tqdm:
+    """A progress bar (on stderr), left out for work that takes well under a second."""
+    return tqdm(total=total, desc=desc, unit=" lines", leave=False, disable=total < ENCODE_CHUNK)
+
+
+# ------------------------------------------------------------------------------------------------ tokenizers
+
+
+class Tokenizer:
+    """What both tokenizers share: special ids, eos/bos conventions, saving; subclasses map text <-> ids."""
+
+    kind, joint = "", False
+    pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+
+    def __init__(self, folder: Path, info: dict):
+        self.folder, self.info = Path(folder), info
+        self.src_lang, self.tgt_lang = info["src_lang"], info["tgt_lang"]
+        self.threads = min(os.cpu_count() or 1, 8)
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.vocab_size(self.src_lang)
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return self.vocab_size(self.tgt_lang)
+
+    def encode_src(self, text: str) -> list[int]:
+        return self.encode_lines([text], self.src_lang)[0] + [EOS_ID]
+
+    def encode_tgt(self, text: str) -> list[int]:
+        return self.encode_lines([text], self.tgt_lang)[0]
+
+    def decode_tgt(self, ids) -> str:
+        """Text of a hypothesis: cut at the first eos, drop the specials, detokenize."""
+        ids = [int(i) for i in ids]
+        ids = ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
+        return self.decode([i for i in ids if i >= len(SPECIALS)], self.tgt_lang)
+
+    def src_pieces(self, text: str) -> list[str]:
+        return self.pieces(self.encode_src(text), self.src_lang)
+
+    def tgt_pieces(self, ids) -> list[str]:
+        return self.pieces([int(i) for i in ids], self.tgt_lang)
+
+    def save(self, folder) -> None:
+        """Copy what translating needs (model or vocabularies, tokenizer.json) into e.g. RUN_DIR/tokenizer."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in self.info["files"]:
+            if (folder / name).resolve() != (self.folder / name).resolve():
+                shutil.copyfile(self.folder / name, folder / name)
+        _write_json(folder / "tokenizer.json", self.info)
+
+
+class BpeTokenizer(Tokenizer):
+    """One SentencePiece BPE model for both languages, so embeddings can be shared (§3.4; §5.1 shared vocab).
+
+    Identity normalization and no whitespace collapsing make decode(encode(s)) == s exactly (the default NFKC
+    rewrites some characters); byte fallback spells characters never seen in training as UTF-8 byte pieces
+    instead of <unk>, so the round trip is exact for any input.
+    """
+
+    kind, joint = "bpe", True
+
+    def __init__(self, folder: Path, info: dict):
+        super().__init__(folder, info)
+        self.sp = spm.SentencePieceProcessor(model_file=str(self.folder / "spm.model"))
+
+    @staticmethod
+    def train(folder: Path, cfg: DataConfig, train: dict[str, list[str]], threads: int) -> dict:
+        spm.set_random_generator_seed(1)  # input_sentence_size sampling is then reproducible
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=itertools.chain(*train.values()), model_prefix=str(folder / "spm"),
+                model_type="bpe", vocab_size=cfg.vocab_size, character_coverage=1.0, byte_fallback=True,
+                normalization_rule_name="identity", remove_extra_whitespaces=False, hard_vocab_limit=False,
+                pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_piece=SPECIALS[0],
+                unk_piece=SPECIALS[1], bos_piece=SPECIALS[2], eos_piece=SPECIALS[3],
+                input_sentence_size=cfg.sample_size, shuffle_input_sentence=True, num_threads=threads,
+                minloglevel=2)
+        except RuntimeError as e:
+            raise UserError(f"SentencePiece training failed: {e}; try another data.vocab_size") from None
+        return {"kind": "bpe", "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "lowercase": False,
+                "files": ["spm.model", "spm.vocab"]}
+
+    def vocab_size(self, lang: str) -> int:
+        return self.sp.get_piece_size()
+
+    def encode_lines(self, lines: list[str], lang: str) -> list[list[int]]:
+        return self.sp.encode(lines, out_type=int, num_threads=self.threads)
+
+    def pieces(self, ids: list[int], lang: str) -> list[str]:
+        return [self.sp.id_to_piece(i) for i in ids]
+
+    def decode(self, ids: list[int], lang: str) -> str:
+        return self.sp.decode(ids)
+
+
+class SpacyTokenizer(Tokenizer):
+    """spaCy's rule-based tokenizer spacy.blank(lang), one word vocabulary per language (min_freq, lowercase).
+
+    Word ids keep no record of the original spacing, so hypotheses go back to text with sacremoses'
+    MosesDetokenizer(lang): the standard rule set for that (quotes, punctuation, clitics), giving the normal
+    running text that sacreBLEU compares with the raw references. spaCy runs in one process (~30k lines/s),
+    so data.num_workers only affects SentencePiece.
+    """
+
+    kind, joint = "spacy", False
+
+    def __init__(self, folder: Path, info: dict):
+        super().__init__(folder, info)
+        import spacy  # imported here: a second or two that the bpe path does not need
+        from sacremoses import MosesDetokenizer
+
+        langs = (self.src_lang, self.tgt_lang)
+        self.lowercase = info["lowercase"]
+        self.nlp = {lang: spacy.blank(lang).tokenizer for lang in langs}
+        self.vocab = {lang: json.loads((self.folder / f"vocab.{lang}.json").read_text("utf-8"))
+                      for lang in langs}
+        self.index = {lang: {w: i for i, w in enumerate(words)} for lang, words in self.vocab.items()}
+        self.detok = {lang: MosesDetokenizer(lang) for lang in langs}
+
+    @staticmethod
+    def words(nlp, lines: list[str], lowercase: bool):
+        """Token strings per line; whitespace tokens (spaCy keeps runs of extra spaces) are dropped."""
+        for doc in nlp.pipe(lines, batch_size=1000):
+            yield [t.lower_ if lowercase else t.text for t in doc if not t.is_space]
+
+    @staticmethod
+    def train(folder: Path, cfg: DataConfig, train: dict[str, list[str]], threads: int) -> dict:
+        import spacy
+
+        for lang, lines in train.items():
+            nlp, counts = spacy.blank(lang).tokenizer, Counter()
+            with _bar(len(lines), f"spacy vocab {lang}") as bar:
+                for chunk in _chunks(lines):
+                    for words in SpacyTokenizer.words(nlp, chunk, cfg.lowercase):
+                        counts.update(words)
+                    bar.update(len(chunk))
+            kept = sorted((w for w, c in counts.items() if c >= cfg.min_freq), key=lambda w: (-counts[w], w))
+            _write_json(folder / f"vocab.{lang}.json", [*SPECIALS, *(w for w in kept if w not in SPECIALS)])
+        return {"kind": "spacy", "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang,
+                "lowercase": cfg.lowercase, "files": [f"vocab.{lang}.json" for lang in train]}
+
+    def vocab_size(self, lang: str) -> int:
+        return len(self.vocab[lang])
+
+    def encode_lines(self, lines: list[str], lang: str) -> list[list[int]]:
+        index = self.index[lang]
+        words = self.words(self.nlp[lang], lines, self.lowercase)
+        return [[index.get(w, UNK_ID) for w in sentence] for sentence in words]
+
+    def pieces(self, ids: list[int], lang: str) -> list[str]:
+        return [self.vocab[lang][i] for i in ids]
+
+    def decode(self, ids: list[int], lang: str) -> str:
+        return self.detok[lang].detokenize(self.pieces(ids, lang), unescape=False)
+
+
+TOKENIZERS = {"bpe": BpeTokenizer, "spacy": SpacyTokenizer}
+
+
+def load_tokenizer(folder) -> Tokenizer:
+    """The tokenizer saved in a prepared data folder or in a run's tokenizer/ folder."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"no tokenizer.json in {folder}: need a prepared data folder or RUN_DIR/tokenizer")
+    info = json.loads(path.read_text("utf-8"))
+    return TOKENIZERS[info["kind"]](path.parent, info)
+
+
+# ------------------------------------------------------------------------------------------------- prepare
+
+
+def _encode(tok: Tokenizer, lines: list[str], lang: str, desc: str) -> list[list[int]]:
+    out = []
+    with _bar(len(lines), desc) as bar:
+        for chunk in _chunks(lines):
+            out.extend(tok.encode_lines(chunk, lang))
+            bar.update(len(chunk))
+    return out
+
+
+def _save_side(folder: Path, name: str, seqs: list[list[int]], add_eos: bool, dtype) -> tuple[int, int]:
+    """Store sequences back to back (+eos on the source side) and n+1 offsets; returns (tokens, unk count)."""
+    lengths = np.fromiter(map(len, seqs), np.int64, count=len(seqs))
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype, count=int(lengths.sum()))
+    if add_eos:
+        flat = np.insert(flat, np.cumsum(lengths), EOS_ID)  # one eos right after each sentence
+    offsets = np.zeros(len(seqs) + 1, np.int64)
+    np.cumsum(lengths + add_eos, out=offsets[1:])
+    np.save(folder / f"{name}.tokens.npy", flat)
+    np.save(folder / f"{name}.offsets.npy", offsets)
+    return int(lengths.sum()), int(np.count_nonzero(flat == UNK_ID))
+
+
+def _cache_key(cfg: DataConfig, files: dict) -> tuple[dict, dict, str]:
+    """Settings that change the output, input checksums, and a short hash of both that names the folder."""
+    settings = {"dataset": cfg.dataset, "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang,
+                "tokenizer": cfg.tokenizer, "max_len": cfg.max_len, "max_len_ratio": cfg.max_len_ratio,
+                "splits": list(files)}
+    if cfg.tokenizer == "bpe":
+        settings.update(vocab_size=cfg.vocab_size, sample_size=cfg.sample_size)
+    else:
+        settings.update(min_freq=cfg.min_freq, lowercase=cfg.lowercase)
+    inputs = {f"{split}.{lang}": {"path": str(path), "sha256": _sha256_file(path)}
+              for split, sides in files.items() for lang, path in sides.items()}
+    sums = {name: v["sha256"] for name, v in inputs.items()}
+    blob = json.dumps([FORMAT_VERSION, settings, sums], sort_keys=True).encode()
+    key = hashlib.sha256(blob).hexdigest()[:10]
+    return settings, inputs, key
+
+
+def prepare(cfg: DataConfig, force: bool = False) -> Path:
+    """The folder for cfg: reused when complete (has meta.json), else built aside and renamed in place."""
+    start = time.time()
+    if cfg.dataset not in DATASETS:
+        raise UserError(f"data.dataset '{cfg.dataset}' is unknown; use {', '.join(DATASETS)}")
+    if cfg.tokenizer not in TOKENIZERS:
+        raise UserError(f"data.tokenizer '{cfg.tokenizer}' is unknown; use {', '.join(TOKENIZERS)}")
+    files = DATASETS[cfg.dataset](cfg)
+    settings, inputs, key = _cache_key(cfg, files)
+    vocab = f"{cfg.vocab_size}" if cfg.tokenizer == "bpe" else f"-min{cfg.min_freq}{'-lc' * cfg.lowercase}"
+    name = f"{cfg.dataset}_{cfg.src_lang}-{cfg.tgt_lang}_{cfg.tokenizer}{vocab}_{key}"
+    folder = Path(cfg.prepared_dir) / name
+    if (folder / "meta.json").is_file() and not force:
+        print(f"using prepared data {folder} (--force rebuilds it)")
+        return folder
+    tmp = folder.with_name(f"{folder.name}.tmp{uuid.uuid4().hex[:8]}")  # unique even across machines
+    tmp.mkdir(parents=True)
+    try:
+        meta = _build(cfg, files, tmp)
+        meta.update(settings=settings, inputs=inputs, seconds=round(time.time() - start, 1))
+        _write_json(tmp / "meta.json", meta)  # last: a folder with meta.json is complete
+        if force or not (folder / "meta.json").is_file():  # else another process (a second rank) was quicker
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print_summary(meta, folder)
+    return folder
+
+
+def _build(cfg: DataConfig, files: dict, folder: Path) -> dict:
+    """Read, tokenize, filter and store every split into folder; returns the meta.json content."""
+    langs = (cfg.src_lang, cfg.tgt_lang)
+    text = {}
+    for split, sides in files.items():
+        src, tgt = text[split] = [read_lines(sides[lang]) for lang in langs]
+        if len(src) != len(tgt):
+            raise UserError(f"{split}: {sides[langs[0]]} has {len(src)} lines but {sides[langs[1]]} has "
+                            f"{len(tgt)}; the two sides must be line-aligned")
+    raw_train = len(text["train"][0])
+    keep = [i for i, (s, t) in enumerate(zip(*text["train"], strict=True)) if s and t]
+    text["train"] = [[side[i] for i in keep] for side in text["train"]]
+    threads = cfg.num_workers or min(os.cpu_count() or 1, 8)
+    print(f"training the {cfg.tokenizer} tokenizer on {len(keep)} training pairs", flush=True)
+    info = TOKENIZERS[cfg.tokenizer].train(folder, cfg, dict(zip(langs, text["train"], strict=True)), threads)
+    _write_json(folder / "tokenizer.json", info)
+    tok = load_tokenizer(folder)
+    tok.threads = threads
+    dtype = np.uint16 if max(tok.src_vocab_size, tok.tgt_vocab_size) <= 1 << 16 else np.int32
+    splits = {}
+    for split, (src_lines, tgt_lines) in text.items():
+        src = _encode(tok, src_lines, cfg.src_lang, f"encode {split}.{cfg.src_lang}")
+        tgt = _encode(tok, tgt_lines, cfg.tgt_lang, f"encode {split}.{cfg.tgt_lang}")
+        stats = {"lines": len(src_lines)}
+        if split == "train":  # usual corpus cleaning; never applied to valid/test (the BLEU references)
+            ls = np.fromiter(map(len, src), np.int64, count=len(src))
+            lt = np.fromiter(map(len, tgt), np.int64, count=len(tgt))
+            too_long = (ls > cfg.max_len) | (lt > cfg.max_len)
+            ratio = np.maximum(ls, lt) / np.maximum(np.minimum(ls, lt), 1)
+            bad_ratio = ~too_long & (ratio > cfg.max_len_ratio)
+            kept = np.flatnonzero(~(too_long | bad_ratio))
+            src, tgt = [src[i] for i in kept], [tgt[i] for i in kept]
+            stats = {"lines": raw_train, "blank": raw_train - len(src_lines), "too_long": int(too_long.sum()),
+                     "bad_ratio": int(bad_ratio.sum())}
+        else:
+            for lang, lines in zip(langs, (src_lines, tgt_lines), strict=True):
+                text_file = folder / f"{split}.{lang}.txt"
+                text_file.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+        src_tokens, src_unk = _save_side(folder, f"{split}.src", src, add_eos=True, dtype=dtype)
+        tgt_tokens, tgt_unk = _save_side(folder, f"{split}.tgt", tgt, add_eos=False, dtype=dtype)
+        splits[split] = {**stats, "pairs": len(src), "src_tokens": src_tokens, "tgt_tokens": tgt_tokens,
+                         "src_unk_rate": src_unk / max(src_tokens, 1),
+                         "tgt_unk_rate": tgt_unk / max(tgt_tokens, 1)}
+    return {"format": FORMAT_VERSION, "dataset": cfg.dataset, "src_lang": langs[0], "tgt_lang": langs[1],
+            "tokenizer": cfg.tokenizer, "joint": tok.joint, "src_vocab_size": tok.src_vocab_size,
+            "tgt_vocab_size": tok.tgt_vocab_size, "dtype": np.dtype(dtype).name,
+            "valid_split": cfg.valid_split,
+            "test_splits": [s for s in files if s not in ("train", cfg.valid_split)], "splits": splits}
+
+
+def print_summary(meta: dict, folder: Path) -> None:
+    """Pairs, tokens, mean lengths and <unk> rates per split, vocabulary sizes, time taken."""
+    src, tgt = meta["src_lang"], meta["tgt_lang"]
+    vocab = (f"joint vocabulary {meta['src_vocab_size']}" if meta["joint"] else
+             f"vocabularies {src} {meta['src_vocab_size']}, {tgt} {meta['tgt_vocab_size']}")
+    print(f"prepared {meta['dataset']} {meta['src_lang']}-{meta['tgt_lang']} ({meta['tokenizer']}, {vocab}) "
+          f"in {meta['seconds']:.1f} s -> {folder}")
+    print(f"{'split':<18}{'pairs':>8}{'src tokens':>12}{'tgt tokens':>12}{'src len':>9}{'tgt len':>9}"
+          f"{'src unk':>9}{'tgt unk':>9}")
+    for name, s in meta["splits"].items():
+        n = max(s["pairs"], 1)
+        print(f"{name:<18}{s['pairs']:>8}{s['src_tokens']:>12}{s['tgt_tokens']:>12}"
+              f"{s['src_tokens'] / n:>9.1f}{s['tgt_tokens'] / n:>9.1f}"
+              f"{s['src_unk_rate']:>9.2%}{s['tgt_unk_rate']:>9.2%}")
+    t = meta["splits"]["train"]
+    print(f"train: {t['lines']} lines, skipped {t['blank']} blank, dropped {t['too_long']} longer than "
+          f"{meta['settings']['max_len']} tokens and {t['bad_ratio']} with length ratio > "
+          f"{meta['settings']['max_len_ratio']}")
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+class Split:
+    """One encoded split, memory-mapped: all sentences back to back plus n+1 offsets per side.
+
+    src_lengths count the eos (what the encoder reads); tgt_lengths count the text tokens only, since
+    collate adds the bos (decoder input) and the eos (decoder output).
+    """
+
+    def __init__(self, folder: Path, name: str):
+        self.name = name
+        load = lambda part: np.load(folder / f"{name}.{part}.npy", mmap_mode="r")  # noqa: E731
+        self.src_tokens, self.src_offsets = load("src.tokens"), load("src.offsets")
+        self.tgt_tokens, self.tgt_offsets = load("tgt.tokens"), load("tgt.offsets")
+        self.src_lengths, self.tgt_lengths = np.diff(self.src_offsets), np.diff(self.tgt_offsets)
+
+    def __len__(self) -> int:
+        return len(self.src_lengths)
+
+    def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source ids ending in eos, target ids without bos/eos) of pair i."""
+        s, t = self.src_offsets, self.tgt_offsets
+        return self.src_tokens[s[i] : s[i + 1]], self.tgt_tokens[t[i] : t[i + 1]]
+
+
+def load_meta(folder) -> dict:
+    """meta.json of a prepared folder: vocab sizes, split names (valid_split, test_splits), counts, inputs."""
+    path = Path(folder) / "meta.json"
+    if not path.is_file():
+        raise UserError(f"{folder} is not a prepared data folder (no meta.json): run data_preparation.py")
+    return json.loads(path.read_text("utf-8"))
+
+
+def load_split(prepared_dir, split: str) -> Split:
+    splits = load_meta(prepared_dir)["splits"]
+    if split not in splits:
+        raise UserError(f"no split '{split}' in {prepared_dir}; it has {', '.join(splits)}")
+    return Split(Path(prepared_dir), split)
+
+
+def read_raw(prepared_dir, split: str, lang: str) -> list[str]:
+    """Lines of a valid/test split as read from the input (BLEU references), surrounding spaces stripped."""
+    path = Path(prepared_dir) / f"{split}.{lang}.txt"
+    if not path.is_file():
+        raise UserError(f"no raw text {path.name} in {prepared_dir}: only valid and test splits keep it")
+    return path.read_text("utf-8").split("\n")[:-1]
+
+
+def _round_up(n, multiple: int):
+    return (n + multiple - 1) // multiple * multiple
+
+
+def collate(split: Split, indices, pad_id: int = PAD_ID, pad_multiple: int = 8):
+    """Pad a batch: src (B,S) = tokens+eos, tgt_in (B,T) = bos+tokens, tgt_out (B,T) = tokens+eos.
+
+    S and T are rounded up to pad_multiple: fewer distinct shapes (torch.compile) and tensor-core sizes.
+    """
+    pairs = [split.pair(int(i)) for i in indices]
+    S = _round_up(max(len(s) for s, _ in pairs), pad_multiple)
+    T = _round_up(max(len(t) for _, t in pairs) + 1, pad_multiple)
+    src = np.full((len(pairs), S), pad_id, np.int64)
+    tgt_in = np.full((len(pairs), T), pad_id, np.int64)
+    tgt_out = tgt_in.copy()
+    for row, (s, t) in enumerate(pairs):
+        src[row, : len(s)] = s
+        tgt_in[row, 0], tgt_in[row, 1 : len(t) + 1] = BOS_ID, t
+        tgt_out[row, : len(t)], tgt_out[row, len(t)] = t, EOS_ID
+    return torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out)
+
+
+class TokenBatchSampler:
+    """Batches of at most max_tokens padded tokens (§5.1: batches of "approximately 25000" tokens per side).
+
+    Pairs are sorted by their padded cost max(S, T) as collate pads them (then src length, tgt length and a
+    random tiebreak drawn from (seed, epoch)), so a growing batch costs size x the cost of its last pair and
+    consecutive pairs are packed while that stays <= max_tokens. A single pair costing more than max_tokens
+    gets a batch of its own (data.max_len filters training data so that this does not happen). The boundaries
+    depend only on the sorted costs, so they are computed once; each epoch redraws the tiebreak and the batch
+    order from (seed, epoch). With world_size ranks the largest batches are halved until the count divides
+    evenly, and rank r takes batches r, r + world_size, ...: same count per rank, every pair once per epoch.
+    iter_from(k) resumes an epoch at batch k (exact resume from a checkpoint).
+    """
+
+    def __init__(self, src_lengths, tgt_lengths, max_tokens: int, shuffle: bool = True, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, pad_multiple: int = 8):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
+        self.rank, self.world_size, self.epoch = rank, world_size, 0
+        src = np.asarray(src_lengths, np.int64)
+        tgt = np.asarray(tgt_lengths, np.int64)
+        # tgt + 1: collate adds bos to the decoder input and eos to its output
+        self.cost = np.maximum(_round_up(src, pad_multiple), _round_up(tgt + 1, pad_multiple))
+        cost_rank = np.unique(self.cost, return_inverse=True)[1].astype(np.int64)
+        # one int64 sort key: cost rank | src | tgt | 15 bits of tiebreak (a lexsort would be 4x slower)
+        self._key = (cost_rank << 47) | (np.minimum(src, 0xFFFF) << 31) | (np.minimum(tgt, 0xFFFF) << 15)
+        self._bounds = self._pack(np.sort(self.cost))
+        while len(self._bounds) % world_size:
+            i = max(range(len(self._bounds)), key=lambda j: self._bounds[j][1] - self._bounds[j][0])
+            a, b = self._bounds[i]
+            if b - a < 2:
+                raise UserError(f"cannot give {world_size} ranks equally many batches from {len(src)} pairs")
+            self._bounds[i : i + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
+
+    def _pack(self, costs: np.ndarray) -> list[tuple[int, int]]:
+        """Greedy packing of sorted costs; one numpy window per batch, not a Python loop over pairs."""
+        bounds, start = [], 0
+        while start < len(costs):
+            window = costs[start : start + max(1, self.max_tokens // int(costs[start]))]
+            size = max(1, int(np.count_nonzero(window * np.arange(1, len(window) + 1) <= self.max_tokens)))
+            bounds.append((start, start + size))
+            start += size
+        return bounds
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self._bounds) // self.world_size
+
+    def __iter__(self):
+        return self.iter_from(0)
+
+    def iter_from(self, start_batch: int):
+        """This rank's batches of the current epoch (lists of pair indices), from batch start_batch on."""
+        rng = np.random.default_rng([self.seed, self.epoch])
+        key = self._key | rng.integers(0, 1 << 15, len(self._key)) if self.shuffle else self._key
+        order = np.argsort(key, kind="stable")
+        batches = [order[a:b] for a, b in self._bounds]
+        if self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        for batch in batches[self.rank :: self.world_size][start_batch:]:
+            yield batch.tolist()
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(
+        prog="data_preparation.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Download (Multi30k) or read a parallel corpus, train the tokenizer, encode the splits.\n"
+        "The result is a folder under data.prepared_dir, reused until the inputs or data settings change.",
+        epilog="examples:\n  python data_preparation.py --config configs/multi30k_en_de.yaml\n"
+        "  python data_preparation.py --config configs/multi30k_en_de.yaml data.tokenizer=spacy --force\n\n"
+        "--debug shows tracebacks; NMT_DOWNLOAD_URL_BASE=URL fetches Multi30k from a mirror (file:// works).")
+    parser.add_argument("--config", required=True, help="YAML config: its data section, and train.max_tokens")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a matching folder exists")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="config overrides, e.g. data.vocab_size=16000")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    folder = prepare(cfg.data, force=args.force)
+    train = load_split(folder, "train")
+    max_tokens = cfg.train.max_tokens
+    sampler = TokenBatchSampler(train.src_lengths, train.tgt_lengths, max_tokens, seed=cfg.train.seed)
+    print(f"train: {len(sampler)} batches per epoch at train.max_tokens={max_tokens}")
+    return folder
+
+
+if __name__ == "__main__":
+    cli_main(main)

@@ -1,0 +1,185 @@
+"""Training: schedule and loss against their formulas, end-to-end runs, exact resume, DDP equivalence."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from config import UserError, load_config
+from train_transformer import average_checkpoints, label_smoothed_nll, learning_rate, load_state
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train(args, cwd=ROOT, check=True, timeout=300, env=None):
+    """Run the trainer in a subprocess, as a user would."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "train_transformer.py", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def tiny_args(tmp_path, *extra):
+    return ["--config", "configs/tiny.yaml", f"train.out_dir={tmp_path / 'run'}",
+            f"data.prepared_dir={tmp_path / 'prepared'}", *extra]
+
+
+# -- formulas -------------------------------------------------------------------------------------------------
+
+
+def test_learning_rate_matches_eq3():
+    d, w = 512, 4000
+    assert learning_rate(1, d, w) == pytest.approx(d**-0.5 * 1 * w**-1.5)
+    assert learning_rate(w, d, w) == pytest.approx(d**-0.5 * w**-0.5)  # the peak: both branches meet
+    assert learning_rate(4 * w, d, w) == pytest.approx(d**-0.5 * (4 * w) ** -0.5)
+    assert learning_rate(4 * w, d, w, factor=2.0) == pytest.approx(2 * d**-0.5 * (4 * w) ** -0.5)
+    assert learning_rate(w - 1, d, w) < learning_rate(w, d, w) > learning_rate(w + 1, d, w)
+
+
+def test_label_smoothing_closed_form():
+    """Model puts p on the target and (1-p)/(V-1) elsewhere: the loss has a closed form."""
+    V, eps, p = 7, 0.1, 0.6
+    probs = torch.full((1, 1, V), (1 - p) / (V - 1))
+    probs[0, 0, 3] = p
+    target = torch.tensor([[3]])
+    loss, nll = label_smoothed_nll(probs.log(), target, eps, pad_id=0)
+    expected = -(1 - eps) * math.log(p) - eps / V * (math.log(p) + (V - 1) * math.log((1 - p) / (V - 1)))
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert nll.item() == pytest.approx(-math.log(p), rel=1e-6)
+    logits = torch.randn(2, 5, V)
+    tgt = torch.randint(1, V, (2, 5))
+    tgt[1, 3:] = 0  # padding is ignored
+    ours, _ = label_smoothed_nll(logits, tgt, eps, pad_id=0)
+    ref = F.cross_entropy(logits.view(-1, V), tgt.view(-1), ignore_index=0, label_smoothing=eps, reduction="sum")
+    assert ours.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_label_smoothing_optimum_is_smoothed_target():
+    """Minimising the smoothed loss drives the target probability to 1 - eps + eps/V, not to 1."""
+    V, eps = 5, 0.2
+    logits = torch.zeros(1, 1, V, requires_grad=True)
+    opt = torch.optim.LBFGS([logits], max_iter=200)
+
+    def closure():
+        opt.zero_grad()
+        loss = label_smoothed_nll(logits, torch.tensor([[2]]), eps, pad_id=0)[0]
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert logits.softmax(-1)[0, 0, 2].item() == pytest.approx(1 - eps + eps / V, abs=1e-4)
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(UserError, match="unknown key 'train.lr'"):
+        load_config("configs/tiny.yaml", ["train.lr=1"])
+    with pytest.raises(UserError, match="train.max_steps: expected int"):
+        load_config("configs/tiny.yaml", ["train.max_steps=abc"])
+    with pytest.raises(UserError, match="warmup"):
+        load_config("configs/tiny.yaml", ["train.warmup=0"])
+    cfg = load_config("configs/tiny.yaml", ["train.max_steps=7", "model.dropout=0.25"])
+    assert cfg.train.max_steps == 7 and cfg.model.dropout == 0.25
+
+
+# -- end to end -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tiny_end_to_end(tmp_path):
+    proc = run_train(tiny_args(tmp_path))
+    run = tmp_path / "run"
+    results = json.loads((run / "results.json").read_text())
+    assert set(results["tests"]) == {"val", "test"}
+    for scores in results["tests"].values():
+        assert {"bleu", "chrf", "bleu_tok_lc", "signature"} <= set(scores)
+    assert "sacreBLEU signature" in proc.stdout
+    for name in ("config.yaml", "metrics.jsonl", "curves.png", "checkpoint_last.pt", "checkpoint_best.pt"):
+        assert (run / name).exists(), name
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [15, 30]
+    state = torch.load(run / "checkpoint_last.pt", weights_only=True)  # plain tensors and values only
+    assert state["step"] == 30 and state["config"]["train"]["max_steps"] == 30
+    assert len(list(run.glob("checkpoint_step*.pt"))) == 2  # keep_last
+    # the run dir alone is enough to translate
+    out = subprocess.run([sys.executable, "translate.py", "--checkpoint", str(run), "a man is riding a bike ."],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) == 1
+    # a second run into the same folder is refused unless resumed or overwritten
+    again = run_train(tiny_args(tmp_path), check=False)
+    assert again.returncode == 2 and "already holds a run" in again.stderr and "Traceback" not in again.stderr
+
+
+@pytest.mark.slow
+def test_resume_equals_uninterrupted(tmp_path):
+    common = ["train.precision=fp32", "train.eval_every=1000", "train.average_last=0", "train.max_steps=24"]
+    run_train(tiny_args(tmp_path / "a", *common))
+    run_train(tiny_args(tmp_path / "b", *common[:-1], "train.max_steps=11"))
+    run_train(tiny_args(tmp_path / "b", *common, "train.resume=true"))
+    a = load_state(tmp_path / "a" / "run" / "checkpoint_last.pt")
+    b = load_state(tmp_path / "b" / "run" / "checkpoint_last.pt")
+    assert a["step"] == b["step"] == 24
+    assert (a["epoch"], a["batch_in_epoch"]) == (b["epoch"], b["batch_in_epoch"])
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=0, msg=k)
+    first = a["optimizer"]["state"][0]["exp_avg_sq"]
+    torch.testing.assert_close(first, b["optimizer"]["state"][0]["exp_avg_sq"], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one_with_update_freq(tmp_path):
+    """Two gloo ranks each take every other batch; one process with update_freq=2 takes both in turn."""
+    common = ["train.precision=fp32", "model.dropout=0.0", "model.attn_dropout=0.0", "train.max_steps=6",
+              "train.eval_every=1000", "train.average_last=0", "train.max_tokens=256"]
+    run_train(tiny_args(tmp_path / "one", *common, "train.update_freq=2"))
+    env = {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "train_transformer.py", *tiny_args(tmp_path / "two", *common)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = load_state(tmp_path / "one" / "run" / "checkpoint_last.pt")["model"]
+    two = load_state(tmp_path / "two" / "run" / "checkpoint_last.pt")["model"]
+    for k in one:
+        torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_average_checkpoints(tmp_path):
+    for i, value in enumerate([1.0, 2.0, 6.0]):
+        torch.save({"model": {"w": torch.full((2,), value)}, "config": {}, "step": i}, tmp_path / f"c{i}.pt")
+    avg = average_checkpoints([tmp_path / f"c{i}.pt" for i in range(3)])
+    assert torch.equal(avg["model"]["w"], torch.full((2,), 3.0)) and avg["step"] == 2
+
+
+# -- a model that must learn ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_learns_to_copy(tmp_path):
+    """Copying random symbol strings reaches >= 95% exact match: catches wrong masks and shifted targets."""
+    import random
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(12)]
+    for split, n in (("train", 3000), ("val", 100), ("test", 100)):
+        lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) for _ in range(n)]
+        for lang in ("en", "de"):
+            (tmp_path / f"{split}.{lang}").write_text("\n".join(lines) + "\n")
+    args = ["--config", "configs/tiny.yaml", f"train.out_dir={tmp_path / 'run'}",
+            f"data.prepared_dir={tmp_path / 'prepared'}", f"data.train_prefix={tmp_path / 'train'}",
+            f"data.valid_prefix={tmp_path / 'val'}", f"data.test_prefixes=[{tmp_path / 'test'}]",
+            "data.tokenizer=spacy", "data.min_freq=1", "model.share_embeddings=false", "model.d_model=64",
+            "model.n_heads=4", "model.d_ff=128", "model.n_enc_layers=2", "model.n_dec_layers=2", "model.dropout=0.0",
+            "train.max_steps=300", "train.eval_every=300", "train.warmup=50", "train.lr_factor=2.0",
+            "train.max_tokens=1024", "train.precision=bf16", "decode.beam=1", "decode.max_len_b=20"]
+    run_train(args)
+    hyps = (tmp_path / "run" / "hyps" / "test.de").read_text().splitlines()
+    refs = (tmp_path / "test.de").read_text().splitlines()
+    exact = sum(h.split() == r.split() for h, r in zip(hyps, refs, strict=True)) / len(refs)
+    assert exact >= 0.95, exact
