@@ -91,7 +91,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     label_smoothing: float = 0.1
     clip_norm: float = 0.0  # 0 = no gradient clipping
-    precision: str = "bf16"  # fp32 | bf16 | fp16
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16; auto = bf16 where the hardware has it natively, else fp32
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_every: int = 500
@@ -240,7 +240,7 @@ def validate(cfg: Config) -> Config:
         raise UserError(f"model: {e}") from None
     d, t, dec = cfg.data, cfg.train, cfg.decode
     checks = [
-        (d.dataset in ("multi30k", "files", "wmt14"), f"data.dataset '{d.dataset}' is unknown; use multi30k|files|wmt14"),
+        (d.dataset in ("multi30k", "files", "wmt14"), f"data.dataset '{d.dataset}' is unknown (multi30k|files|wmt14)"),
         (d.tokenizer in ("bpe", "spacy"), f"data.tokenizer '{d.tokenizer}' is unknown; use bpe or spacy"),
         (d.src_lang != d.tgt_lang, "data.src_lang and data.tgt_lang must differ"),
         (d.vocab_size >= 100, "data.vocab_size must be at least 100"),
@@ -253,7 +253,7 @@ def validate(cfg: Config) -> Config:
         (t.lr_factor > 0, "train.lr_factor must be > 0"),
         (0.0 <= t.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)"),
         (t.clip_norm >= 0, "train.clip_norm must be >= 0"),
-        (t.precision in ("fp32", "bf16", "fp16"), f"train.precision '{t.precision}' is unknown; use fp32|bf16|fp16"),
+        (t.precision in ("auto", "fp32", "bf16", "fp16"), f"train.precision '{t.precision}' is unknown (auto|fp32|bf16|fp16)"),
         (t.eval_every >= 1 and t.log_every >= 1, "train.eval_every and train.log_every must be >= 1"),
         (t.keep_last >= 1, "train.keep_last must be >= 1"),
         (t.average_last >= 0 and t.max_bad_steps >= 1, "train.average_last must be >= 0, train.max_bad_steps >= 1"),

@@ -150,8 +150,22 @@ def setup_distributed(device_name: str):
     return rank, world, device
 
 
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """'auto': bf16 where the hardware computes it natively (recent GPUs; CPUs with AMX or AVX512-BF16), else
+    fp32. Without native support bf16 is emulated and far slower than fp32 (measured ~7x on an AVX2-only EPYC)."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    return "bf16" if ("amx_bf16" in flags or "avx512_bf16" in flags) else "fp32"
+
+
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state()[1].copy(),
+    state = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
              "numpy_pos": int(np.random.get_state()[2]), "python": repr(random.getstate())}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -160,7 +174,7 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict):
     torch.set_rng_state(state["torch"])
-    np.random.set_state(("MT19937", state["numpy"].astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
     random.setstate(_literal(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -599,6 +613,7 @@ def main(argv):
     cfg = load_config(args.config, args.overrides)
     ensure_fast_allocator()
     rank, world, device = setup_distributed(cfg.train.device)
+    cfg.train.precision = resolve_precision(cfg.train.precision, device)
     try:
         trainer = Trainer(cfg, rank, world, device)
         if trainer.master:

@@ -20,6 +20,8 @@ Policies, in one place:
   the next beams are the best `beam` non-eos candidates among the top 2*beam, so finished hypotheses never
   starve the beam. Scores are sum of log-probabilities (eos included) / lp(Y), with GNMT's length penalty
   lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al. 2016), |Y| counting the eos.
+- A run directory is read as checkpoint_avg.pt > checkpoint_best.pt > checkpoint_last.pt: the trainer keeps
+  the averaged weights only when they beat the best single checkpoint on validation BLEU.
 """
 
 from __future__ import annotations
@@ -413,10 +415,7 @@ def plot_attention(model, tokenizer, text: str, tokens: list[int], out_path, lay
 
     layer and head count from 1 (default: the last layer, mean over heads); all_heads: a grid of every head.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # the object API renders without pyplot's global backend state
 
     device = next(model.parameters()).device
     (src_ids,) = encode_sources(tokenizer, [text], source_limit(model, max_src_len))
@@ -447,7 +446,8 @@ def plot_attention(model, tokenizer, text: str, tokens: list[int], out_path, lay
     rows = math.ceil(len(panels) / cols)
     cell = 0.32  # inches per token keeps labels legible at any sentence length
     width, height = cols * (cell * attn.size(2) + 1.8), rows * (cell * attn.size(1) + 1.6)
-    fig, axes = plt.subplots(rows, cols, figsize=(max(width, 5), max(height, 3.5)), squeeze=False)
+    fig = Figure(figsize=(max(width, 5), max(height, 3.5)), layout="tight")
+    axes = fig.subplots(rows, cols, squeeze=False)
     vmax = max(float(w.max()) for w, _ in panels)  # one colour scale, so heads can be compared
     for ax, (w, title) in zip(axes.flat, panels, strict=False):
         im = ax.imshow(w.numpy(), cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
@@ -461,11 +461,9 @@ def plot_attention(model, tokenizer, text: str, tokens: list[int], out_path, lay
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(f"cross-attention, decoder layer {layer} of {n_layers}", fontsize=11)
-    fig.tight_layout()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=120)
-    plt.close(fig)
     return out_path
 
 
