@@ -1,8 +1,9 @@
 """Data preparation: raw parallel text -> tokenizer + memory-mapped token arrays, and token-count batches.
 
-Flow: find (or download) the raw files of each split -> read and check them -> train the tokenizer on the
-training split -> encode every split -> filter training pairs -> store per split and side a flat token array
-and offsets (.npy), the raw valid/test text (BLEU references) and meta.json, in one cached folder.
+Flow: find (or download) the raw files of each split -> count and check them -> train the tokenizer on a
+sample of the training split -> encode every split in worker processes -> filter training pairs -> store per
+split and side a flat token array and offsets (.npy), the raw valid/test text (BLEU references) and meta.json,
+in one cached folder. Text is streamed throughout, so WMT14's 4.5 M pairs (docs/wmt14.md) fit in little memory.
 The trainer then reads a split with load_split(), groups it with TokenBatchSampler and pads it with collate().
 
 Token ids are the same for both tokenizers and both languages: pad=0, unk=1, bos=2, eos=3. The encoder
@@ -10,25 +11,30 @@ reads tokens + [eos]; the decoder reads [bos] + tokens and predicts tokens + [eo
 
     python data_preparation.py --config configs/multi30k_en_de.yaml [--force] [data.tokenizer=spacy ...]
 
-Environment: NMT_DOWNLOAD_URL_BASE replaces the Multi30k download URL (a mirror, or file:///some/dir offline).
+Environment: NMT_DOWNLOAD_URL_BASE replaces the Multi30k download URL (a mirror, or file:///some/dir offline);
+NMT_WMT14_URL_BASE does the same for the statmt.org WMT14 archives.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import hashlib
 import http.client
 import itertools
 import json
+import multiprocessing
 import os
+import re
 import shutil
+import tarfile
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import sentencepiece as spm
@@ -40,7 +46,8 @@ from config import DataConfig, UserError, cli_main, load_config
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<unk>", "<bos>", "<eos>")
 FORMAT_VERSION = 1  # part of the cache key: bump it when the prepared layout changes
-ENCODE_CHUNK = 20_000  # lines per encode call, so the progress bar moves
+ENCODE_CHUNK = 20_000  # pairs per encode task: the progress bar moves, a worker's memory stays small
+BIG_FILE = 16 << 20  # inputs at least this big have their sha256 cached in prepared_dir/input_sha256.json
 
 # ------------------------------------------------------------------------------------------------- raw files
 
@@ -85,23 +92,28 @@ def _transient(error: Exception) -> bool:
     return isinstance(error, (ValueError, http.client.HTTPException, TimeoutError, ConnectionError))
 
 
-def download(url: str, dest: Path, sha256: str) -> None:
-    """Fetch url into dest via a temp file checked against the pinned sha256: never a partial dest."""
+def download(url: str, dest: Path, sha256: str | None, md5: str | None = None) -> None:
+    """Fetch url into dest via a temp file checked against the pinned digests: never a partial dest.
+
+    A digest left as None is not checked (say so where it is documented: docs/wmt14.md checks line counts).
+    """
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.part{os.getpid()}")
     for attempt in range(len(RETRY_DELAYS) + 1):
         try:
-            digest = hashlib.sha256()
+            digests = {"sha256": (hashlib.sha256(), sha256), "md5": (hashlib.md5(usedforsecurity=False), md5)}
             with urllib.request.urlopen(url, timeout=30) as response, open(tmp, "wb") as out:
                 size = int(response.headers.get("Content-Length") or 0) or None
                 desc = f"download {dest.name}"
                 with tqdm(total=size, unit="B", unit_scale=True, desc=desc, leave=False) as bar:
                     while chunk := response.read(1 << 16):
                         out.write(chunk)
-                        digest.update(chunk)
+                        for digest, _ in digests.values():
+                            digest.update(chunk)
                         bar.update(len(chunk))
-            if digest.hexdigest() != sha256:
-                raise ValueError(f"sha256 mismatch: got {digest.hexdigest()}, expected {sha256}")
+            for name, (digest, pinned) in digests.items():
+                if pinned is not None and digest.hexdigest() != pinned:
+                    raise ValueError(f"{name} mismatch: got {digest.hexdigest()}, expected {pinned}")
             os.replace(tmp, dest)
             return
         except (OSError, ValueError, http.client.HTTPException) as e:
@@ -110,6 +122,7 @@ def download(url: str, dest: Path, sha256: str) -> None:
             time.sleep(RETRY_DELAYS[attempt])
         finally:
             tmp.unlink(missing_ok=True)
+
 
 
 def _multi30k_file(raw_dir: Path, split: str, lang: str) -> Path:
@@ -170,50 +183,220 @@ def user_files(cfg: DataConfig) -> dict[str, dict[str, Path]]:
     return files
 
 
-def wmt14_files(cfg: DataConfig) -> dict[str, dict[str, Path]]:
-    raise UserError("dataset wmt14 is not implemented yet")
+# WMT14 En-De as in the paper (§5.1) and fairseq's prepare-wmt14en2de.sh: three training corpora, newstest2013
+# for validation, the full newstest2014 (3003 sentences, sacreBLEU's "wmt14/full") for testing.
+WMT14_URL = "https://statmt.org"
+WMT14_TRAIN = ("europarl-v7.de-en", "commoncrawl.de-en", "news-commentary-v9.de-en")
+WMT14_ARCHIVES = {  # local name -> (path under WMT14_URL, sha256, md5, files extracted from it)
+    # No sha256/md5 could be checked when this was written (no network): None = not checked; the extracted
+    # files' line counts (WMT14_LINES) are checked instead. The two md5 sums are sacreBLEU 2.6's pins.
+    "training-parallel-europarl-v7.tgz": ("wmt13/training-parallel-europarl-v7.tgz", None, None,
+                                          ("europarl-v7.de-en.de", "europarl-v7.de-en.en")),
+    "training-parallel-commoncrawl.tgz": ("wmt13/training-parallel-commoncrawl.tgz", None, None,
+                                          ("commoncrawl.de-en.de", "commoncrawl.de-en.en")),
+    "training-parallel-nc-v9.tgz": ("wmt14/training-parallel-nc-v9.tgz", None, None,
+                                    ("news-commentary-v9.de-en.de", "news-commentary-v9.de-en.en")),
+    "wmt13-test.tgz": ("wmt13/test.tgz", None, "48eca5d02f637af44e85186847141f67",
+                       ("newstest2013-src.de.sgm", "newstest2013-src.en.sgm")),
+    "test-full.tgz": ("wmt14/test-full.tgz", None, "a8cd784e006feb32ac6f3d9ec7eb389a",
+                      ("newstest2014-deen-src.de.sgm", "newstest2014-deen-src.en.sgm",
+                       "newstest2014-deen-ref.de.sgm", "newstest2014-deen-ref.en.sgm")),
+}
+WMT14_LINES = {  # lines (segments for .sgm) per file, by corpus: the published WMT14 sizes, 4,520,620 train pairs
+    "europarl-v7.de-en": 1_920_209, "commoncrawl.de-en": 2_399_123, "news-commentary-v9.de-en": 201_288,
+    "newstest2013": 3000, "newstest2014": 3003,
+}
+WMT14_FOLDERS = ("", "training", "dev", "test", "test-full")  # where in raw_dir files are looked for
+
+
+def _wmt14_names(split: str, lang: str, side: str) -> list[str]:
+    """File names that hold one side of a split, best first: the .sgm of the archives, then plain text."""
+    if split == "train":
+        return [f"{corpus}.{lang}" for corpus in WMT14_TRAIN]
+    role = "src" if side == "src" else "ref"
+    return [f"{split}-deen-{role}.{lang}.sgm", f"{split}-src.{lang}.sgm", f"{split}.{lang}"]
+
+
+def _wmt14_find(raw_dir: Path, name: str) -> Path | None:
+    for folder in WMT14_FOLDERS:
+        if (raw_dir / folder / name).is_file():
+            return raw_dir / folder / name
+    return None
+
+
+def _wmt14_corpus(path: Path) -> str:
+    """'newstest2014' for newstest2014-deen-ref.de.sgm, 'commoncrawl.de-en' for commoncrawl.de-en.de."""
+    test_set = re.match(r"newstest\d+", path.name)
+    return test_set.group(0) if test_set else path.name.removesuffix(".gz").rsplit(".", 1)[0]
+
+
+def _wmt14_fetch(raw_dir: Path, archive: str) -> None:
+    """Download one archive, extract the files we use into raw_dir (flat: member paths are never used as
+    destinations, so no path traversal), check their line counts, delete the archive."""
+    rel, sha256, md5, members = WMT14_ARCHIVES[archive]
+    url = (os.environ.get("NMT_WMT14_URL_BASE") or WMT14_URL).rstrip("/") + f"/{rel}"
+    dest = raw_dir / archive
+    try:
+        download(url, dest, sha256, md5)
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        reason = " ".join(str(e).split())
+        raise UserError(f"downloading {url} failed ({reason}); place the WMT14 files in data.raw_dir={raw_dir} "
+                        f"by hand (see docs/wmt14.md) or check the network") from None
+    extracted = []
+    try:
+        with tarfile.open(dest, "r:*") as tar:
+            for member in tar:
+                name = PurePosixPath(member.name).name
+                if member.isfile() and name in members and name not in {p.name for p in extracted}:
+                    tmp = raw_dir / f".{name}.part{os.getpid()}"
+                    with tar.extractfile(member) as f, open(tmp, "wb") as out:
+                        shutil.copyfileobj(f, out, 1 << 20)
+                    os.replace(tmp, raw_dir / name)
+                    extracted.append(raw_dir / name)
+        missing = sorted(set(members) - {p.name for p in extracted})
+        if missing:
+            raise UserError(f"{url} does not contain {', '.join(missing)}; place the files by hand (docs/wmt14.md)")
+        for path in extracted:
+            expected, got = WMT14_LINES.get(_wmt14_corpus(path)), count_lines(path)
+            if expected is not None and got != expected:
+                raise UserError(f"{path.name} from {url} has {got} lines, expected {expected}: the archive is not "
+                                f"the published WMT14 one; place the files by hand (docs/wmt14.md)")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        for path in extracted:
+            path.unlink(missing_ok=True)
+        raise UserError(f"cannot extract {dest} ({e}); delete it and retry, or place the files by hand") from None
+    except UserError:
+        for path in extracted:
+            path.unlink(missing_ok=True)
+        raise
+    finally:
+        dest.unlink(missing_ok=True)
+
+
+def _wmt14_get(raw_dir: Path, names: list[str], split: str, lang: str) -> Path:
+    """Download the archive that has the first of names, and return where that file now is."""
+    for name in names:
+        archive = next((a for a, spec in WMT14_ARCHIVES.items() if name in spec[3]), None)
+        if archive is not None:
+            _wmt14_fetch(raw_dir, archive)
+            return _wmt14_find(raw_dir, name)
+    raise UserError(f"{split}.{lang}: none of {', '.join(names)} is in data.raw_dir={raw_dir} and no known archive "
+                    f"has it; see docs/wmt14.md for the expected files")
+
+
+def wmt14_files(cfg: DataConfig) -> dict[str, dict[str, Path | list[Path]]]:
+    """WMT14 En-De: {split: {lang: path or paths}}; train = Europarl v7 + Common Crawl + News Commentary v9.
+
+    Files are read from data.raw_dir (or its training/ dev/ test/ test-full/ folders); what is missing is
+    downloaded from statmt.org (NMT_WMT14_URL_BASE: a mirror with the same layout, file:// works).
+    """
+    if {cfg.src_lang, cfg.tgt_lang} != {"en", "de"}:
+        raise UserError(f"dataset wmt14 is English-German: set data.src_lang/tgt_lang to en and de "
+                        f"(got {cfg.src_lang}, {cfg.tgt_lang})")
+    splits = list(dict.fromkeys(["train", cfg.valid_split, *cfg.test_splits]))
+    for split in splits:
+        if split != "train" and not re.fullmatch(r"newstest20\d\d", split):
+            raise UserError(f"WMT14 has no split '{split}'; use data.valid_split=newstest2013 and "
+                            f"data.test_splits=[newstest2014]")
+    raw_dir = Path(cfg.raw_dir)
+    files = {}
+    for split in splits:
+        files[split] = {}
+        for lang, side in ((cfg.src_lang, "src"), (cfg.tgt_lang, "tgt")):
+            names = _wmt14_names(split, lang, side)
+            if split == "train":  # all three corpora, in a fixed order
+                files[split][lang] = [_wmt14_find(raw_dir, n) or _wmt14_get(raw_dir, [n], split, lang) for n in names]
+            else:  # the first of the alternative names that is there
+                found = next((p for p in (_wmt14_find(raw_dir, n) for n in names) if p), None)
+                files[split][lang] = found or _wmt14_get(raw_dir, names, split, lang)
+    return files
 
 
 DATASETS = {"multi30k": multi30k_files, "files": user_files, "wmt14": wmt14_files}
+SGM_SEG = re.compile(r"<seg.*?>(.*)</seg>.*?")  # as sacreBLEU reads WMT .sgm test sets
+
+
+def _paths(value) -> list[Path]:
+    """One side of a split is a file or (WMT14 train) a list of files read one after the other."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _open_binary(path: Path):
+    try:
+        return gzip.open(path) if path.suffix == ".gz" else open(path, "rb")
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+
+
+def iter_lines(path: Path):
+    """Stream the stripped lines of a UTF-8 file (gzip if .gz), split on "\\n" only (other breaks would shift
+    pairs); an .sgm file gives the text of its <seg> lines, whitespace collapsed, exactly as sacreBLEU does."""
+    sgm = path.name.endswith((".sgm", ".sgm.gz"))
+    try:
+        with _open_binary(path) as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(f"{path}: line {number} is not valid UTF-8 (byte {raw[e.start]:#04x}); "
+                                    f"convert the file to UTF-8") from None
+                if number == 1:
+                    line = line.removeprefix("\ufeff")
+                if not sgm:
+                    yield line.strip()
+                elif line.startswith("<seg "):
+                    yield " ".join(SGM_SEG.sub(r"\1", line).split())
+    except (OSError, EOFError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
 
 
 def read_lines(path: Path) -> list[str]:
-    """Stripped lines of a UTF-8 file (gzip if .gz), split on "\\n" only: other breaks would shift pairs."""
+    """All lines of a (small) file, as iter_lines streams them."""
+    return list(iter_lines(path))
+
+
+def count_lines(path: Path) -> int:
+    """Lines as iter_lines yields them, counted on the bytes (about 1 GB/s) so no text is decoded."""
+    if path.name.endswith((".sgm", ".sgm.gz")):
+        return sum(1 for _ in iter_lines(path))
+    count, last = 0, b"\n"
     try:
-        with gzip.open(path) if path.suffix == ".gz" else open(path, "rb") as f:
-            data = f.read()
+        with _open_binary(path) as f:
+            while chunk := f.read(1 << 22):
+                count += chunk.count(b"\n")
+                last = chunk[-1:]
     except (OSError, EOFError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
-    try:
-        text = data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise UserError(f"{path}: line {line} is not valid UTF-8 (byte {data[e.start]:#04x}); "
-                        f"convert the file to UTF-8") from None
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    return [line.strip() for line in lines]
+    return count + (last != b"\n")
 
 
-def _sha256_file(path: Path) -> str:
+def _sha256_file(path: Path, cache: dict | None = None) -> str:
+    """sha256 of a file; cache maps 'path size mtime' to known sums so that 1.4 GB of WMT14 is read once."""
+    stat = path.stat()
+    stamp = f"{path.resolve()} {stat.st_size} {stat.st_mtime_ns}"
+    if cache is not None and stamp in cache:
+        return cache[stamp]
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
+    if cache is not None:
+        cache[stamp] = digest.hexdigest()
     return digest.hexdigest()
 
 
 def _write_json(path: Path, value) -> None:
     """Write through a temp file and rename, so a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp{uuid.uuid4().hex[:8]}")
     tmp.write_text(json.dumps(value, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 
-def _chunks(lines: list[str]):
-    for i in range(0, len(lines), ENCODE_CHUNK):
-        yield lines[i : i + ENCODE_CHUNK]
+def _batched(iterable, n: int):
+    """Lists of n items (the last one shorter): itertools.batched of Python 3.12."""
+    iterator = iter(iterable)
+    while batch := list(itertools.islice(iterator, n)):
+        yield batch
 
 
 def _bar(total: int, desc: str) -> tqdm:
@@ -286,11 +469,14 @@ class BpeTokenizer(Tokenizer):
         self.sp = spm.SentencePieceProcessor(model_file=str(self.folder / "spm.model"))
 
     @staticmethod
-    def train(folder: Path, cfg: DataConfig, train: dict[str, list[str]], threads: int) -> dict:
-        spm.set_random_generator_seed(1)  # input_sentence_size sampling is then reproducible
+    def train(folder: Path, cfg: DataConfig, corpus: TrainText, threads: int) -> dict:
+        """Learn the merges on at most data.sample_size sentences drawn from both sides (a temp file)."""
+        sample = folder / "spm.sample.txt"
+        corpus.write_sample(sample, cfg.sample_size)
+        spm.set_random_generator_seed(1)  # shuffle_input_sentence is then reproducible
         try:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=itertools.chain(*train.values()), model_prefix=str(folder / "spm"),
+                input=str(sample), model_prefix=str(folder / "spm"),
                 model_type="bpe", vocab_size=cfg.vocab_size, character_coverage=1.0, byte_fallback=True,
                 normalization_rule_name="identity", remove_extra_whitespaces=False, hard_vocab_limit=False,
                 pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_piece=SPECIALS[0],
@@ -299,6 +485,8 @@ class BpeTokenizer(Tokenizer):
                 minloglevel=2)
         except RuntimeError as e:
             raise UserError(f"SentencePiece training failed: {e}; try another data.vocab_size") from None
+        finally:
+            sample.unlink(missing_ok=True)
         return {"kind": "bpe", "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "lowercase": False,
                 "files": ["spm.model", "spm.vocab"]}
 
@@ -346,20 +534,21 @@ class SpacyTokenizer(Tokenizer):
             yield [t.lower_ if lowercase else t.text for t in doc if not t.is_space]
 
     @staticmethod
-    def train(folder: Path, cfg: DataConfig, train: dict[str, list[str]], threads: int) -> dict:
+    def train(folder: Path, cfg: DataConfig, corpus: TrainText, threads: int) -> dict:
         import spacy
 
-        for lang, lines in train.items():
+        langs = (cfg.src_lang, cfg.tgt_lang)
+        for lang in langs:
             nlp, counts = spacy.blank(lang).tokenizer, Counter()
-            with _bar(len(lines), f"spacy vocab {lang}") as bar:
-                for chunk in _chunks(lines):
+            with _bar(corpus.pairs, f"spacy vocab {lang}") as bar:
+                for chunk in _batched(corpus.side(lang), ENCODE_CHUNK):
                     for words in SpacyTokenizer.words(nlp, chunk, cfg.lowercase):
                         counts.update(words)
                     bar.update(len(chunk))
             kept = sorted((w for w, c in counts.items() if c >= cfg.min_freq), key=lambda w: (-counts[w], w))
             _write_json(folder / f"vocab.{lang}.json", [*SPECIALS, *(w for w in kept if w not in SPECIALS)])
         return {"kind": "spacy", "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang,
-                "lowercase": cfg.lowercase, "files": [f"vocab.{lang}.json" for lang in train]}
+                "lowercase": cfg.lowercase, "files": [f"vocab.{lang}.json" for lang in langs]}
 
     def vocab_size(self, lang: str) -> int:
         return len(self.vocab[lang])
@@ -391,26 +580,164 @@ def load_tokenizer(folder) -> Tokenizer:
 # ------------------------------------------------------------------------------------------------- prepare
 
 
-def _encode(tok: Tokenizer, lines: list[str], lang: str, desc: str) -> list[list[int]]:
-    out = []
-    with _bar(len(lines), desc) as bar:
-        for chunk in _chunks(lines):
-            out.extend(tok.encode_lines(chunk, lang))
-            bar.update(len(chunk))
-    return out
+class TrainText:
+    """The training pairs as a stream over the files (never held in memory), blank pairs left out."""
+
+    def __init__(self, src_paths: list[Path], tgt_paths: list[Path], langs: tuple[str, str], pairs: int):
+        self.paths, self.langs, self.pairs = (src_paths, tgt_paths), langs, pairs
+
+    def __iter__(self):
+        """(index among all lines, src, tgt) of every pair with two non-blank sides."""
+        index = 0
+        for src_path, tgt_path in zip(*self.paths, strict=True):
+            for src, tgt in zip(iter_lines(src_path), iter_lines(tgt_path), strict=True):
+                if src and tgt:
+                    yield index, src, tgt
+                index += 1
+
+    def side(self, lang: str):
+        column = 1 + self.langs.index(lang)
+        return (item[column] for item in self)
+
+    def write_sample(self, path: Path, size: int, seed: int = 1) -> int:
+        """Write a uniform sample of `size` sentences (both sides pooled) to path, one per line; returns the
+        count. SentencePiece then trains on the file rather than on an in-memory list of 9 M sentences."""
+        total = 2 * self.pairs  # sentence 2i is the source of line i, 2i + 1 its target
+        chosen = np.ones(total, bool)
+        if size < total:
+            chosen[:] = False
+            chosen[np.random.default_rng(seed).choice(total, size, replace=False)] = True
+        written = 0
+        with open(path, "w", encoding="utf-8") as out, _bar(self.pairs, "sample for the tokenizer") as bar:
+            for index, src, tgt in self:
+                for sentence, pick in ((src, chosen[2 * index]), (tgt, chosen[2 * index + 1])):
+                    if pick:
+                        out.write(sentence + "\n")
+                        written += 1
+                bar.update(1)
+        return written
 
 
-def _save_side(folder: Path, name: str, seqs: list[list[int]], add_eos: bool, dtype) -> tuple[int, int]:
-    """Store sequences back to back (+eos on the source side) and n+1 offsets; returns (tokens, unk count)."""
-    lengths = np.fromiter(map(len, seqs), np.int64, count=len(seqs))
-    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype, count=int(lengths.sum()))
-    if add_eos:
-        flat = np.insert(flat, np.cumsum(lengths), EOS_ID)  # one eos right after each sentence
-    offsets = np.zeros(len(seqs) + 1, np.int64)
-    np.cumsum(lengths + add_eos, out=offsets[1:])
-    np.save(folder / f"{name}.tokens.npy", flat)
-    np.save(folder / f"{name}.offsets.npy", offsets)
-    return int(lengths.sum()), int(np.count_nonzero(flat == UNK_ID))
+_WORKER: dict = {}  # each encoding process's tokenizer and languages, set once by _init_worker
+
+
+def _init_worker(folder: str, langs: tuple[str, str]) -> None:
+    tok = load_tokenizer(folder)
+    tok.threads = 1  # parallelism comes from the processes
+    _WORKER.update(tok=tok, langs=langs)
+
+
+def _encode_chunk(pairs: list[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(src ids with an eos after each sentence, src lengths incl. eos, tgt ids, tgt lengths) of a chunk."""
+    tok, (src_lang, tgt_lang) = _WORKER["tok"], _WORKER["langs"]
+    src = tok.encode_lines([s for s, _ in pairs], src_lang)
+    tgt = tok.encode_lines([t for _, t in pairs], tgt_lang)
+    src_len = np.fromiter(map(len, src), np.int64, count=len(src)) + 1
+    tgt_len = np.fromiter(map(len, tgt), np.int64, count=len(tgt))
+    src_flat = np.fromiter(itertools.chain.from_iterable(ids + [EOS_ID] for ids in src), np.int32, int(src_len.sum()))
+    tgt_flat = np.fromiter(itertools.chain.from_iterable(tgt), np.int32, int(tgt_len.sum()))
+    return src_flat, src_len, tgt_flat, tgt_len
+
+
+def _encode_stream(chunks, folder: Path, langs: tuple[str, str], workers: int):
+    """(chunk, encoded chunk) in input order. With workers > 1 a process pool encodes, at most 2 chunks per
+    worker in flight, so memory stays bounded however long the corpus (Pool.imap would read it all ahead)."""
+    if workers <= 1:
+        _init_worker(str(folder), langs)
+        for chunk in chunks:
+            yield chunk, _encode_chunk(chunk)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")  # fork: no re-imports
+    with context.Pool(workers, initializer=_init_worker, initargs=(str(folder), langs)) as pool:
+        pending = collections.deque()
+        for chunk in chunks:
+            pending.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
+            if len(pending) >= 2 * workers:
+                done, result = pending.popleft()
+                yield done, result.get()
+        while pending:
+            done, result = pending.popleft()
+            yield done, result.get()
+
+
+def _to_npy(raw: Path, npy: Path, dtype, count: int) -> None:
+    """Turn a raw file of count dtype values into a .npy, copying in slices (no whole array in memory)."""
+    out = np.lib.format.open_memmap(npy, mode="w+", dtype=dtype, shape=(count,))
+    if count:
+        data = np.memmap(raw, dtype=dtype, mode="r", shape=(count,))
+        for i in range(0, count, 1 << 24):
+            out[i : i + (1 << 24)] = data[i : i + (1 << 24)]
+        del data
+    out.flush()
+    del out
+    raw.unlink()
+
+
+def _non_blank(pairs, stats: dict):
+    """Training pairs with text on both sides; the others are counted in stats["blank"]."""
+    for src, tgt in pairs:
+        if src and tgt:
+            yield src, tgt
+        else:
+            stats["blank"] += 1
+
+
+def _encode_split(cfg: DataConfig, folder: Path, split: str, sides: list[list[Path]], lines: int,
+                  dtype, workers: int) -> dict:
+    """Encode one split chunk by chunk, appending the token ids to raw files (then .npy) as they come.
+
+    Training pairs are cleaned (blank, longer than max_len, length ratio above max_len_ratio); valid/test
+    splits are kept whole, with their raw text for BLEU.
+    """
+    langs, train = (cfg.src_lang, cfg.tgt_lang), split == "train"
+    stats = {"lines": lines, "blank": 0, "too_long": 0, "bad_ratio": 0}
+    lengths, tokens, unks = {"src": [], "tgt": []}, {"src": 0, "tgt": 0}, {"src": 0, "tgt": 0}
+    raw = {side: open(folder / f"{split}.{side}.tokens.bin", "wb") for side in ("src", "tgt")}
+    text = {} if train else {lang: open(folder / f"{split}.{lang}.txt", "w", encoding="utf-8") for lang in langs}
+    pairs = (pair for src, tgt in zip(*sides, strict=True)
+             for pair in zip(iter_lines(src), iter_lines(tgt), strict=True))
+    if train:
+        pairs = _non_blank(pairs, stats)
+    chunks = _batched(pairs, ENCODE_CHUNK)
+    desc = f"encode {split} ({workers} process{'es' * (workers > 1)})"
+    try:
+        with _bar(lines, desc) as bar:
+            for chunk, (src_flat, src_len, tgt_flat, tgt_len) in _encode_stream(chunks, folder, langs, workers):
+                keep = np.ones(len(chunk), bool)
+                if train:  # usual corpus cleaning; never applied to valid/test (the BLEU references)
+                    ls, lt = src_len - 1, tgt_len
+                    too_long = (ls > cfg.max_len) | (lt > cfg.max_len)
+                    ratio = np.maximum(ls, lt) / np.maximum(np.minimum(ls, lt), 1)
+                    bad_ratio = ~too_long & (ratio > cfg.max_len_ratio)
+                    keep = ~(too_long | bad_ratio)
+                    stats["too_long"] += int(too_long.sum())
+                    stats["bad_ratio"] += int(bad_ratio.sum())
+                else:
+                    for lang, column in zip(langs, zip(*chunk, strict=True), strict=True):
+                        text[lang].write("".join(f"{line}\n" for line in column))
+                for side, flat, length in (("src", src_flat, src_len), ("tgt", tgt_flat, tgt_len)):
+                    kept = flat[np.repeat(keep, length)].astype(dtype)
+                    kept.tofile(raw[side])
+                    lengths[side].append(length[keep])
+                    tokens[side] += len(kept)
+                    unks[side] += int(np.count_nonzero(kept == UNK_ID))
+                bar.update(len(chunk))
+    finally:
+        for handle in (*raw.values(), *text.values()):
+            handle.close()
+    for side in ("src", "tgt"):
+        length = np.concatenate(lengths[side]) if lengths[side] else np.zeros(0, np.int64)
+        offsets = np.zeros(len(length) + 1, np.int64)
+        np.cumsum(length, out=offsets[1:])
+        np.save(folder / f"{split}.{side}.offsets.npy", offsets)
+        _to_npy(folder / f"{split}.{side}.tokens.bin", folder / f"{split}.{side}.tokens.npy", dtype, tokens[side])
+    pairs_kept = len(offsets) - 1
+    src_text = tokens["src"] - pairs_kept  # text tokens: the eos of each source is not counted
+    if not train:
+        stats = {"lines": lines}
+    return {**stats, "pairs": pairs_kept, "src_tokens": src_text, "tgt_tokens": tokens["tgt"],
+            "src_unk_rate": unks["src"] / max(src_text, 1), "tgt_unk_rate": unks["tgt"] / max(tokens["tgt"], 1)}
 
 
 def _cache_key(cfg: DataConfig, files: dict) -> tuple[dict, dict, str]:
@@ -422,8 +749,19 @@ def _cache_key(cfg: DataConfig, files: dict) -> tuple[dict, dict, str]:
         settings.update(vocab_size=cfg.vocab_size, sample_size=cfg.sample_size)
     else:
         settings.update(min_freq=cfg.min_freq, lowercase=cfg.lowercase)
-    inputs = {f"{split}.{lang}": {"path": str(path), "sha256": _sha256_file(path)}
-              for split, sides in files.items() for lang, path in sides.items()}
+    cache_file = Path(cfg.prepared_dir) / "input_sha256.json"  # sums of big inputs, by path, size and mtime
+    cache = json.loads(cache_file.read_text("utf-8")) if cache_file.is_file() else {}
+    inputs, known = {}, len(cache)
+    for split, sides in files.items():
+        for lang, value in sides.items():
+            paths = _paths(value)
+            for path in paths:
+                name = f"{split}.{lang}" if len(paths) == 1 else f"{split}.{lang}.{path.name}"
+                big = path.stat().st_size >= BIG_FILE
+                inputs[name] = {"path": str(path), "sha256": _sha256_file(path, cache if big else None)}
+    if len(cache) > known:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        _write_json(cache_file, cache)
     sums = {name: v["sha256"] for name, v in inputs.items()}
     blob = json.dumps([FORMAT_VERSION, settings, sums], sort_keys=True).encode()
     key = hashlib.sha256(blob).hexdigest()[:10]
@@ -461,48 +799,32 @@ def prepare(cfg: DataConfig, force: bool = False) -> Path:
 
 
 def _build(cfg: DataConfig, files: dict, folder: Path) -> dict:
-    """Read, tokenize, filter and store every split into folder; returns the meta.json content."""
+    """Count, tokenize, filter and store every split into folder, streaming; returns the meta.json content."""
     langs = (cfg.src_lang, cfg.tgt_lang)
-    text = {}
-    for split, sides in files.items():
-        src, tgt = text[split] = [read_lines(sides[lang]) for lang in langs]
-        if len(src) != len(tgt):
-            raise UserError(f"{split}: {sides[langs[0]]} has {len(src)} lines but {sides[langs[1]]} has "
-                            f"{len(tgt)}; the two sides must be line-aligned")
-    raw_train = len(text["train"][0])
-    keep = [i for i, (s, t) in enumerate(zip(*text["train"], strict=True)) if s and t]
-    text["train"] = [[side[i] for i in keep] for side in text["train"]]
-    threads = cfg.num_workers or min(os.cpu_count() or 1, 8)
-    print(f"training the {cfg.tokenizer} tokenizer on {len(keep)} training pairs", flush=True)
-    info = TOKENIZERS[cfg.tokenizer].train(folder, cfg, dict(zip(langs, text["train"], strict=True)), threads)
+    sides, counts = {}, {}
+    for split, paths in files.items():  # line counts first: a misaligned file fails now, not after an hour
+        sides[split] = [_paths(paths[lang]) for lang in langs]
+        counts[split] = 0
+        for src, tgt in zip(*sides[split], strict=True):
+            n_src, n_tgt = count_lines(src), count_lines(tgt)
+            if n_src != n_tgt:
+                raise UserError(f"{split}: {src} has {n_src} lines but {tgt} has {n_tgt}; the two sides must be "
+                                f"line-aligned")
+            expected = WMT14_LINES.get(_wmt14_corpus(src)) if cfg.dataset == "wmt14" else None
+            if expected is not None and n_src != expected:
+                print(f"warning: {src} has {n_src} lines; the published WMT14 file has {expected}")
+            counts[split] += n_src
+    workers = cfg.num_workers or min(os.cpu_count() or 1, 8)
+    corpus = TrainText(*sides["train"], langs, counts["train"])
+    print(f"training the {cfg.tokenizer} tokenizer on {counts['train']} training lines", flush=True)
+    info = TOKENIZERS[cfg.tokenizer].train(folder, cfg, corpus, workers)
     _write_json(folder / "tokenizer.json", info)
     tok = load_tokenizer(folder)
-    tok.threads = threads
     dtype = np.uint16 if max(tok.src_vocab_size, tok.tgt_vocab_size) <= 1 << 16 else np.int32
     splits = {}
-    for split, (src_lines, tgt_lines) in text.items():
-        src = _encode(tok, src_lines, cfg.src_lang, f"encode {split}.{cfg.src_lang}")
-        tgt = _encode(tok, tgt_lines, cfg.tgt_lang, f"encode {split}.{cfg.tgt_lang}")
-        stats = {"lines": len(src_lines)}
-        if split == "train":  # usual corpus cleaning; never applied to valid/test (the BLEU references)
-            ls = np.fromiter(map(len, src), np.int64, count=len(src))
-            lt = np.fromiter(map(len, tgt), np.int64, count=len(tgt))
-            too_long = (ls > cfg.max_len) | (lt > cfg.max_len)
-            ratio = np.maximum(ls, lt) / np.maximum(np.minimum(ls, lt), 1)
-            bad_ratio = ~too_long & (ratio > cfg.max_len_ratio)
-            kept = np.flatnonzero(~(too_long | bad_ratio))
-            src, tgt = [src[i] for i in kept], [tgt[i] for i in kept]
-            stats = {"lines": raw_train, "blank": raw_train - len(src_lines), "too_long": int(too_long.sum()),
-                     "bad_ratio": int(bad_ratio.sum())}
-        else:
-            for lang, lines in zip(langs, (src_lines, tgt_lines), strict=True):
-                text_file = folder / f"{split}.{lang}.txt"
-                text_file.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
-        src_tokens, src_unk = _save_side(folder, f"{split}.src", src, add_eos=True, dtype=dtype)
-        tgt_tokens, tgt_unk = _save_side(folder, f"{split}.tgt", tgt, add_eos=False, dtype=dtype)
-        splits[split] = {**stats, "pairs": len(src), "src_tokens": src_tokens, "tgt_tokens": tgt_tokens,
-                         "src_unk_rate": src_unk / max(src_tokens, 1),
-                         "tgt_unk_rate": tgt_unk / max(tgt_tokens, 1)}
+    for split in files:
+        parallel = workers if counts[split] > ENCODE_CHUNK else 1  # a pool costs more than a small split
+        splits[split] = _encode_split(cfg, folder, split, sides[split], counts[split], dtype, parallel)
     return {"format": FORMAT_VERSION, "dataset": cfg.dataset, "src_lang": langs[0], "tgt_lang": langs[1],
             "tokenizer": cfg.tokenizer, "joint": tok.joint, "src_vocab_size": tok.src_vocab_size,
             "tgt_vocab_size": tok.tgt_vocab_size, "dtype": np.dtype(dtype).name,

@@ -195,7 +195,7 @@ def test_multi30k_layout_gz_or_plain_and_split_errors(tmp_path, monkeypatch):
     for changes, message in [({"src_lang": "cs", "test_splits": ["test_2017_mscoco"]}, "has no 'cs' side"),
                              ({"src_lang": "ja"}, "no language 'ja'"),
                              ({"test_splits": ["test_2018"]}, "no split 'test_2018'"),
-                             ({"dataset": "wmt14"}, "wmt14 is not implemented yet")]:
+                             ({"dataset": "wmt14"}, "WMT14 has no split 'val'")]:
         with pytest.raises(UserError, match=message):
             dp.prepare(DataConfig(**{**vars(cfg), **changes}))
 
@@ -321,6 +321,7 @@ def test_multi30k_download_failure_is_one_clear_error(tmp_path, monkeypatch, fai
     monkeypatch.setattr(dp.urllib.request, "urlopen", urlopen)
     monkeypatch.setattr(dp, "RETRY_DELAYS", (0.0, 0.0))
     monkeypatch.delenv("NMT_DOWNLOAD_URL_BASE", raising=False)
+    monkeypatch.delenv("MULTI30K_DIR", raising=False)  # no local copy to fall back on
     with pytest.raises(UserError) as error:
         dp.prepare(DataConfig(raw_dir=str(tmp_path / "raw"), prepared_dir=str(tmp_path / "p")))
     message = str(error.value)
@@ -336,6 +337,7 @@ def test_multi30k_pinned_checksums_and_mirror_download(multi30k, tmp_path, monke
     for name in checked:
         assert hashlib.sha256((multi30k / name).read_bytes()).hexdigest() == dp.MULTI30K_SHA256[name], name
     monkeypatch.setenv("NMT_DOWNLOAD_URL_BASE", multi30k.as_uri())
+    monkeypatch.delenv("MULTI30K_DIR", raising=False)  # make it download from the mirror
     path = dp.multi30k_files(DataConfig(raw_dir=str(tmp_path), test_splits=[]))["val"]["de"]
     assert path == tmp_path / "val.de.gz" and path.read_bytes() == (multi30k / "val.de.gz").read_bytes()
 
@@ -408,7 +410,7 @@ def cli_runs(tmp_path_factory):
     missing = write_config(tmp / "m.yaml", {"raw_dir": str(tmp / "missing"), "prepared_dir": str(tmp / "p")})
     mirror = (tmp / "offline-mirror").as_uri()  # NMT_DOWNLOAD_URL_BASE: fails at once, like no network
     cases = {"ok": (good, ["--force", "data.max_len=100"], {}),
-             "missing": (missing, [], {"NMT_DOWNLOAD_URL_BASE": mirror}),
+             "missing": (missing, [], {"NMT_DOWNLOAD_URL_BASE": mirror, "MULTI30K_DIR": ""}),
              "mismatch": (write_config(tmp / "bad.yaml", fixture_data(tmp / "p", valid_prefix=val)), [], {}),
              "dataset": (good, ["data.dataset=wmt99"], {}),
              "tokenizer": (good, ["data.tokenizer=wordpiece"], {}),
