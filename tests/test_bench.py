@@ -1,0 +1,74 @@
+"""The speed benchmark of issue 6 runs end to end at toy sizes and writes every section; the GPU script parses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, run_script
+
+
+def bench(tmp_path, *args: str, **extra_env: str) -> dict:
+    out = tmp_path / "results.json"
+    env = {k: v for k, v in os.environ.items() if k != "MULTI30K_DIR"}  # random sentences: no BPE training
+    env.update(extra_env)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_speed.py"), "--tiny", "--data-dir", "none",
+         "--out", str(out), *args], cwd=tmp_path, env={**env, "NMT_DEBUG": "1"}, capture_output=True, text=True,
+        timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "matmul peak" in result.stdout
+    return json.loads(out.read_text("utf-8"))
+
+
+def positive(value) -> bool:
+    return isinstance(value, int | float) and value > 0 and value == value  # not NaN
+
+
+def test_quick_tiny_run_writes_every_section(tmp_path):
+    r = bench(tmp_path, "--quick")
+    assert r["env"]["threads"] >= 1 and isinstance(r["env"]["cpu_native_bf16"], bool)
+    assert positive(r["matmul_peak_tflops"]["fp32"]) and positive(r["matmul_peak_tflops"]["bf16"])
+    runs = r["training"]["runs"]
+    assert set(runs) == {f"{m}_{p}" for m in ("ours", "naive", "torch") for p in ("fp32", "bf16")}
+    params = {run["params"] for run in runs.values()}
+    assert len(params) == 1, f"nn.Transformer baseline must have the same parameters as ours: {params}"
+    for run in runs.values():
+        assert positive(run["tokens_per_s"]) and positive(run["mfu"]) and positive(run["model_tflops"])
+        assert len(run["runs_tokens_per_s"]) == 2  # --tiny repeats every configuration twice
+    assert positive(r["training"]["speedup_vs_torch_fp32"]) and positive(r["training"]["speedup_vs_naive_bf16"])
+    d = r["decoding"]
+    assert positive(d["cached_sent_per_s"]) and positive(d["uncached_sent_per_s"]) and positive(d["cache_speedup"])
+    assert d["same_output_fraction"] == 1.0, "cached and uncached beam search must find the same hypotheses"
+    variants = r["attention_variants"]["variants"]
+    assert list(variants) == ["mha", "mqa", "gqa", "mla"]
+    for v in variants.values():
+        assert positive(v["params"]) and positive(v["kv_cache_bytes_per_token_bf16"])
+        assert positive(v["cached_sent_per_s"])
+    kv = {k: v["kv_cache_bytes_per_token_bf16"] for k, v in variants.items()}
+    assert kv["mqa"] < kv["gqa"] < kv["mha"] and kv["mla"] < kv["mha"]
+    assert {t["name"].split(" (")[0] for t in r["targets"]} == {"training tok/s vs nn.Transformer",
+                                                               "cached vs uncached beam search"}
+
+
+def test_wmt14_base_mode(tmp_path):
+    r = bench(tmp_path, "--wmt14-base-steps", "2", "--precisions", "fp32", NMT_NO_TCMALLOC="1")  # no re-exec
+    w = r["wmt14_base"]
+    assert w["steps"] >= 2 and positive(w["tokens_per_s"]) and positive(w["mfu"])
+    assert "training" not in r
+
+
+def test_gpu_script_parses():
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    result = subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_check.sh")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_bench_help(tmp_path):
+    result = run_script("bench/bench_speed.py", "--help", cwd=tmp_path, env={"NMT_NO_TCMALLOC": "1"})
+    assert result.returncode == 0 and "--wmt14-base-steps" in result.stdout
