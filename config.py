@@ -14,7 +14,9 @@ against the dataclass field, e.g. ``python train_transformer.py --config configs
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import sys
 import traceback
 import types
@@ -46,6 +48,12 @@ def cli_main(main, argv=None):
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except OSError as e:  # disk full, permission denied, a file where a folder should be: the machine, not a bug
+        if debug:
+            traceback.print_exc()
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        sys.exit(2)
 
 
 @dataclass
@@ -100,8 +108,9 @@ class TrainConfig:
     keep_last: int = 5  # step checkpoints kept on disk
     average_last: int = 5  # the final model averages the last N step checkpoints (0 or 1 = no averaging)
     log_every: int = 50
-    resume: bool = False
-    overwrite: bool = False
+    save_every: int = 0  # also rewrite checkpoint_last.pt every N steps (0 = only at evaluations)
+    resume: bool = False  # continue the run in out_dir from its checkpoint_last.pt (or --resume)
+    overwrite: bool = False  # replace the run in out_dir (or --overwrite)
     max_bad_steps: int = 10  # non-finite losses in a row before training stops
 
 
@@ -158,6 +167,11 @@ def _check_type(where: str, value, annotation):
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -238,6 +252,11 @@ def validate(cfg: Config) -> Config:
         probe.validate()
     except ValueError as e:
         raise UserError(f"model: {e}") from None
+    for section in dataclasses.fields(cfg):  # nan passes every comparison below, inf most of them
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{section.name}.{f.name} must be a finite number, got {value}")
     d, t, dec = cfg.data, cfg.train, cfg.decode
     checks = [
         (d.dataset in ("multi30k", "files", "wmt14"), f"data.dataset '{d.dataset}' is unknown (multi30k|files|wmt14)"),
@@ -251,9 +270,17 @@ def validate(cfg: Config) -> Config:
         (t.max_steps >= 1, "train.max_steps must be >= 1"),
         (t.warmup >= 1, "train.warmup must be >= 1 (the schedule of eq. 3 divides by it)"),
         (t.lr_factor > 0, "train.lr_factor must be > 0"),
+        (0.0 <= t.adam_beta1 < 1.0 and 0.0 <= t.adam_beta2 < 1.0, "train.adam_beta1/2 must be in [0, 1)"),
+        (t.adam_eps > 0, "train.adam_eps must be > 0"),
+        (t.weight_decay >= 0, "train.weight_decay must be >= 0"),
+        (min(t.max_epochs, t.max_minutes, t.patience, t.save_every) >= 0,
+         "train.max_epochs, max_minutes, patience and save_every must be >= 0 (0 = off)"),
+        (re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device) is not None,
+         f"train.device '{t.device}' is unknown; use auto, cpu, cuda or cuda:N"),
         (0.0 <= t.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)"),
         (t.clip_norm >= 0, "train.clip_norm must be >= 0"),
-        (t.precision in ("auto", "fp32", "bf16", "fp16"), f"train.precision '{t.precision}' is unknown (auto|fp32|bf16|fp16)"),
+        (t.precision in ("auto", "fp32", "bf16", "fp16"),
+         f"train.precision '{t.precision}' is unknown (auto|fp32|bf16|fp16)"),
         (t.eval_every >= 1 and t.log_every >= 1, "train.eval_every and train.log_every must be >= 1"),
         (t.keep_last >= 1, "train.keep_last must be >= 1"),
         (t.average_last >= 0 and t.max_bad_steps >= 1, "train.average_last must be >= 0, train.max_bad_steps >= 1"),
@@ -277,4 +304,8 @@ def load_config(path, overrides: list[str] | None = None) -> Config:
 
 
 def save_config(cfg: Config, path) -> None:
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
+    """Write through a temp file and rename: a run killed meanwhile keeps a readable config.yaml for resuming."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)

@@ -14,10 +14,12 @@ import argparse
 import contextlib
 import ctypes.util
 import glob
+import io
 import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -81,11 +83,26 @@ def label_smoothed_nll(logits, target, epsilon: float, pad_id: int):
 # Checkpoints: plain tensors and values only, written atomically
 
 
+_saves_done = 0  # atomic_save calls in this process, for the NMT_TEST_DIE_IN_SAVE test hook
+
+
 def atomic_save(obj, path: Path):
-    """torch.save to a temp file, fsync, then os.replace: a kill mid-write never leaves a truncated file."""
+    """torch.save to a temp file, fsync, then os.replace: a kill mid-write never leaves a truncated file, and a
+    failed write (disk full, permission denied, Ctrl-C) leaves the previous file and no temp file behind.
+
+    Test hook: NMT_TEST_DIE_IN_SAVE=N makes the N-th save of the process write half its bytes and then SIGKILL
+    the process, the worst moment for a power cut (tests/test_robustness.py)."""
+    global _saves_done
+    _saves_done += 1
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
+            if os.environ.get("NMT_TEST_DIE_IN_SAVE") == str(_saves_done):
+                buf = io.BytesIO()
+                torch.save(obj, buf)
+                f.write(buf.getvalue()[: buf.tell() // 2])
+                f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
@@ -94,14 +111,41 @@ def atomic_save(obj, path: Path):
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise UserError(f"could not write {path}: {e.strerror or e}; the previous checkpoint is intact") from None
+    except BaseException:  # Ctrl-C, SystemExit from a signal handler: the old file stays, the half file goes
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable (best effort: not every FS allows it)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+FULL_STATE = ("optimizer", "scaler", "epoch", "batch_in_epoch", "best_bleu", "bad_evals", "skipped_steps",
+              "train_seconds", "rng")  # what resuming needs beyond the weights
 
 
 def load_state(path: Path) -> dict:
     """Read a checkpoint written by atomic_save without executing anything from the file."""
+    if path.is_dir():
+        raise UserError(f"checkpoint {path} is a directory, expected a checkpoint file")
+    if not path.exists():
+        raise UserError(f"checkpoint not found: {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as e:
+        raise UserError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
     except Exception as e:  # noqa: BLE001 - truncated zip, bad pickle opcode, ...: all mean the same to the user
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if refused:  # the safe loader met a pickled Python object, which could run code: never load it
+            raise UserError(f"refusing to load {path}: it holds a Python object ({refused.group(1)}) that the "
+                            "safe torch.load(weights_only=True) does not accept") from None
         raise UserError(f"checkpoint {path} is unreadable ({type(e).__name__}): truncated or corrupt") from None
+    if not (isinstance(state, dict) and isinstance(state.get("model"), dict)):
+        raise UserError(f"{path} is not a checkpoint of this project (no 'model' entry)")
+    return state
 
 
 def average_checkpoints(paths: list[Path]) -> dict:
@@ -190,26 +234,42 @@ def _literal(text: str):
 # Run directory
 
 
+RUN_FILES = ("config.yaml", "checkpoint_last.pt", "checkpoint_best.pt", "metrics.jsonl", "results.json", "tokenizer")
+
+
+def partial_files(run_dir: Path) -> list[Path]:
+    """Temp files of writes that a kill interrupted (atomic_save, save_config): never complete, safe to delete."""
+    return [p for pattern in ("checkpoint_*.pt.tmp*", "config.yaml.tmp*") for p in run_dir.glob(pattern)]
+
+
 def prepare_run_dir(cfg: Config, run_dir: Path, rank: int) -> bool:
     """Create the run dir; returns True when resuming. Refuses to mix two different runs in one folder."""
+    t = cfg.train
     last = run_dir / "checkpoint_last.pt"
+    if t.resume and t.overwrite:
+        raise UserError("train.resume and train.overwrite (--resume, --overwrite) are both set: choose one, not both")
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"train.out_dir {run_dir} is a file, expected a directory")
-    has_run = (run_dir / "config.yaml").exists() or last.exists()
-    if cfg.train.resume:
+    has_run = run_dir.is_dir() and (any((run_dir / n).exists() for n in RUN_FILES)
+                                    or any(run_dir.glob("checkpoint_*.pt")))
+    if t.resume:
         if not last.exists():
             raise UserError(f"train.resume=true but {last} does not exist; start without train.resume")
         old = load_config_dict(run_dir / "config.yaml")
         if old is not None and old.get("model") != config_to_dict(cfg)["model"]:
             raise UserError(f"{run_dir} holds a run with another model config; resume it with its own config.yaml")
         return True
-    if has_run and not cfg.train.overwrite:
-        raise UserError(f"train.out_dir {run_dir} already holds a run; pass train.resume=true to continue it "
-                        "or train.overwrite=true to replace it")
+    if has_run and not t.overwrite:
+        raise UserError(f"train.out_dir {run_dir} already holds a run; pass train.resume=true (--resume) to continue "
+                        "it or train.overwrite=true (--overwrite) to replace it")
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create train.out_dir {run_dir}: {e.strerror or e}") from None
         if has_run:
-            for p in [*run_dir.glob("checkpoint_*.pt"), run_dir / "metrics.jsonl", run_dir / "results.json"]:
+            for p in [*run_dir.glob("checkpoint_*.pt"), *partial_files(run_dir), run_dir / "metrics.jsonl",
+                      run_dir / "results.json"]:
                 p.unlink(missing_ok=True)
     return False
 
@@ -218,9 +278,27 @@ def load_config_dict(path: Path):
     import yaml
 
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8")) if path.exists() else None
-    except (yaml.YAMLError, UnicodeDecodeError):
-        raise UserError(f"{path} is not a readable config; pass train.overwrite=true to start over") from None
+        d = yaml.safe_load(path.read_text(encoding="utf-8")) if path.exists() else None
+    except (yaml.YAMLError, UnicodeDecodeError, OSError):
+        d = []
+    if d is not None and not (isinstance(d, dict) and isinstance(d.get("model", {}), dict)):
+        raise UserError(f"{path} is not a readable config; pass train.overwrite=true to start over")
+    return d
+
+
+def trim_metrics(path: Path, step: int):
+    """On resume keep the metrics.jsonl records up to the checkpoint's step: later ones belong to a lost future,
+    and a line cut by a kill is dropped."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in keep), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,13 +328,21 @@ class Trainer:
         if cfg.model.share_embeddings and not self.tokenizer.joint:
             raise UserError("model.share_embeddings=true needs one joint vocabulary (data.tokenizer=bpe); "
                             "set model.share_embeddings=false")
+        self.tokenizer_sha256 = translate.tokenizer_fingerprint(self.prepared)
+        self.train_split = dp.load_split(self.prepared, "train")
+        self.valid_split = dp.load_split(self.prepared, cfg.data.valid_split)
+        if len(self.train_split) == 0:  # else the batch stream would loop over empty epochs forever
+            raise UserError(f"no training pairs left in {self.prepared} after dropping blank lines and the "
+                            f"data.max_len={cfg.data.max_len} / data.max_len_ratio={cfg.data.max_len_ratio} filter; "
+                            "check the training files or raise data.max_len")
+        if len(self.valid_split) == 0:  # else found by the first evaluation, after hours of training
+            raise UserError(f"the validation split '{cfg.data.valid_split}' is empty; give validation files with "
+                            "at least one sentence pair")
         self.resuming = prepare_run_dir(cfg, self.run_dir, rank)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
         np.random.seed(t.seed)
         self.model = Transformer(cfg.model).to(device)
-        self.train_split = dp.load_split(self.prepared, "train")
-        self.valid_split = dp.load_split(self.prepared, cfg.data.valid_split)
         self.sampler = dp.TokenBatchSampler(self.train_split.src_lengths, self.train_split.tgt_lengths, t.max_tokens,
                                             shuffle=True, seed=t.seed, rank=rank, world_size=world)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2),
@@ -265,7 +351,8 @@ class Trainer:
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.best_bleu, self.bad_evals, self.bad_steps, self.skipped_steps = -1.0, 0, 0, 0
         self.train_seconds = 0.0
-        self.stop_signal = None
+        self.stop_signal, self.in_loop = None, False
+        self.last_saved_step = None  # step of the checkpoint_last.pt on disk, for the messages
         if self.resuming:
             self.load_last()
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model, device_ids=[device.index] if device.type
@@ -278,7 +365,8 @@ class Trainer:
     # -- state -------------------------------------------------------------------------------------------------
 
     def state(self, full: bool) -> dict:
-        state = {"model": self.model.state_dict(), "config": config_to_dict(self.cfg), "step": self.step}
+        state = {"model": self.model.state_dict(), "config": config_to_dict(self.cfg), "step": self.step,
+                 "tokenizer_sha256": self.tokenizer_sha256}
         if full:
             state.update(optimizer=self.optimizer.state_dict(), scaler=self.scaler.state_dict(), epoch=self.epoch,
                          batch_in_epoch=self.batch_in_epoch, best_bleu=self.best_bleu, bad_evals=self.bad_evals,
@@ -286,22 +374,46 @@ class Trainer:
         return state
 
     def load_last(self):
-        state = load_state(self.run_dir / "checkpoint_last.pt")
+        path = self.run_dir / "checkpoint_last.pt"
+        state = load_state(path)
+        missing = [k for k in ("step", *FULL_STATE) if k not in state]
+        if missing:
+            raise UserError(f"{path} is not a full training checkpoint (no {', '.join(missing)}); resuming needs the "
+                            "checkpoint_last.pt the trainer writes, or start over with train.overwrite=true")
+        if state.get("tokenizer_sha256", self.tokenizer_sha256) != self.tokenizer_sha256:
+            raise UserError(f"{path} was trained with another tokenizer than data.* now gives; resume with the "
+                            "data settings of the run (its config.yaml)")
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise UserError(f"checkpoint_last.pt does not match this model config: {str(e).splitlines()[0]}") from None
-        self.scaler.load_state_dict(state["scaler"])
+            self.scaler.load_state_dict(state["scaler"])
+            set_rng_state(state["rng"])
+        except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
+            raise UserError(f"checkpoint_last.pt does not match this model config: {translate.one_line(e)}") from None
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.best_bleu, self.bad_evals = state["best_bleu"], state["bad_evals"]
         self.skipped_steps, self.train_seconds = state["skipped_steps"], state["train_seconds"]
-        set_rng_state(state["rng"])
+        self.last_saved_step = self.step
+        if self.master:
+            for p in partial_files(self.run_dir):
+                p.unlink(missing_ok=True)
+            trim_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.log(f"resumed from step {self.step} (epoch {self.epoch + 1}, batch {self.batch_in_epoch})")
 
     def save(self, name: str, full: bool = False):
-        if self.master:
-            atomic_save(self.state(full), self.run_dir / name)
+        if not self.master:
+            return
+        if not all(bool(p.isfinite().all()) for p in self.model.parameters()):  # never replace a good file
+            raise UserError(f"training diverged: the weights hold NaN/inf at step {self.step}, not writing {name}; "
+                            f"{self.last_good()}")
+        atomic_save(self.state(full), self.run_dir / name)
+        if name == "checkpoint_last.pt":
+            self.last_saved_step = self.step
+
+    def last_good(self) -> str:
+        if self.last_saved_step is None:
+            return "no checkpoint_last.pt was written yet"
+        return f"checkpoint_last.pt (step {self.last_saved_step}) is the last good one, resume from it"
 
     def log(self, message: str):
         if self.master:
@@ -348,21 +460,31 @@ class Trainer:
             nll_total += float(nll.detach())
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_norm if t.clip_norm > 0 else math.inf)
-        if not torch.isfinite(norm) and t.precision != "fp16":
+        loss_ok = torch.tensor(float(math.isfinite(nll_total)), device=self.device)
+        if self.world > 1:  # every rank must take the same decision
+            dist.all_reduce(loss_ok, op=dist.ReduceOp.MIN)
+        loss_ok = bool(loss_ok)
+        grads_ok = bool(torch.isfinite(norm))  # the norm of the all-reduced gradients: the same on every rank
+        if self.scaler.is_enabled():  # fp16: GradScaler skips an update whose gradients overflowed
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if loss_ok and not grads_ok:  # normal while the loss scale settles: logged, not counted as divergence
+                self.log(f"step {self.step + 1}: fp16 gradient overflow, GradScaler skipped the update and lowered "
+                         f"the loss scale from {scale:g} to {self.scaler.get_scale():g}")
+                return float("nan"), 0
+        elif loss_ok and grads_ok:
+            self.optimizer.step()
+        if not (loss_ok and grads_ok):  # NaN/inf loss: skip the update, and stop if it keeps happening
             self.optimizer.zero_grad(set_to_none=True)
             self.bad_steps += 1
             self.skipped_steps += 1
-            self.log(f"step {self.step + 1}: non-finite loss or gradient, update skipped ({self.bad_steps} in a row)")
+            self.log(f"step {self.step + 1}: non-finite {'gradient' if loss_ok else 'loss'}, update skipped "
+                     f"({self.bad_steps} in a row, {self.skipped_steps} in all)")
             if self.bad_steps >= t.max_bad_steps:
-                raise UserError(f"training diverged: {self.bad_steps} non-finite updates in a row at step {self.step}; "
-                                "lower train.lr_factor or set train.clip_norm; checkpoint_last.pt is the last good one")
+                raise UserError(f"training diverged: {self.bad_steps} non-finite updates in a row after step "
+                                f"{self.step}; lower train.lr_factor or set train.clip_norm; {self.last_good()}")
             return float("nan"), 0
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        if scale_before is not None and self.scaler.get_scale() < scale_before:
-            self.log(f"step {self.step + 1}: fp16 overflow, GradScaler skipped the update and lowered the scale to "
-                     f"{self.scaler.get_scale():g}")
         self.bad_steps = 0
         self.step += 1
         return nll_total / max(ntok / self.world, 1.0), int(ntok)
@@ -457,47 +579,59 @@ class Trainer:
                    dynamic_ncols=True, file=sys.stderr)
         loss_avg, t0 = None, time.perf_counter()
         window_tokens, window_start, tok_s = 0, self.train_seconds, 0.0
-        while self.step < t.max_steps:
-            group = [b for _, b in zip(range(t.update_freq), stream, strict=False)]
-            if not group:
-                self.log(f"reached train.max_epochs={t.max_epochs}")
-                break
-            loss, ntok = self.train_step(group)
-            now = time.perf_counter()
-            self.train_seconds += now - t0
-            t0 = now
-            window_tokens += ntok
-            if math.isfinite(loss):
-                loss_avg = loss if loss_avg is None else 0.98 * loss_avg + 0.02 * loss
-            bar.update(1)
-            if self.step % t.log_every == 0 or self.step == 1:
-                tok_s = window_tokens / max(self.train_seconds - window_start, 1e-9)
-                window_tokens, window_start = 0, self.train_seconds
-                bar.set_postfix(loss=f"{loss_avg or float('nan'):.3f}", tok_s=f"{tok_s:.0f}",
-                                lr=f"{self.optimizer.param_groups[0]['lr']:.2e}", epoch=self.epoch + 1)
-            out_of_time = t.max_minutes and self.train_seconds >= 60 * t.max_minutes
-            if self.step % t.eval_every == 0 or self.step >= t.max_steps or out_of_time:
-                if self.evaluate(loss_avg if loss_avg is not None else float("nan"), tok_s):
-                    self.log(f"early stopping: no better val BLEU in {t.patience} evaluations")
+        self.in_loop = True
+        try:
+            while self.step < t.max_steps:
+                group = [b for _, b in zip(range(t.update_freq), stream, strict=False)]
+                if not group:
+                    self.log(f"reached train.max_epochs={t.max_epochs}")
                     break
-                t0 = time.perf_counter()  # evaluation time is not training time
-            if out_of_time:
-                self.log(f"reached train.max_minutes={t.max_minutes:g}")
-                break
-            if self.stop_signal is not None:
-                self.save("checkpoint_last.pt", full=True)
-                self.log(f"{signal.Signals(self.stop_signal).name} received: saved checkpoint_last.pt at step "
-                         f"{self.step}; continue with train.resume=true")
-                raise SystemExit(128 + self.stop_signal)
-        bar.close()
-        self.save("checkpoint_last.pt", full=True)
+                before = self.step
+                loss, ntok = self.train_step(group)
+                now = time.perf_counter()
+                self.train_seconds += now - t0
+                t0 = now
+                window_tokens += ntok
+                out_of_time = t.max_minutes and self.train_seconds >= 60 * t.max_minutes
+                if self.step > before:  # a skipped (non-finite) update is no step: no log, eval or save for it
+                    if math.isfinite(loss):
+                        loss_avg = loss if loss_avg is None else 0.98 * loss_avg + 0.02 * loss
+                    bar.update(1)
+                    if self.step % t.log_every == 0 or self.step == 1:
+                        tok_s = window_tokens / max(self.train_seconds - window_start, 1e-9)
+                        window_tokens, window_start = 0, self.train_seconds
+                        bar.set_postfix(loss=f"{loss_avg or float('nan'):.3f}", tok_s=f"{tok_s:.0f}",
+                                        lr=f"{self.optimizer.param_groups[0]['lr']:.2e}", epoch=self.epoch + 1)
+                    if self.step % t.eval_every == 0 or self.step >= t.max_steps or out_of_time:
+                        if self.evaluate(loss_avg if loss_avg is not None else float("nan"), tok_s):
+                            self.log(f"early stopping: no better val BLEU in {t.patience} evaluations")
+                            break
+                        t0 = time.perf_counter()  # evaluation time is not training time
+                    elif t.save_every and self.step % t.save_every == 0:
+                        self.save("checkpoint_last.pt", full=True)
+                if out_of_time:
+                    self.log(f"reached train.max_minutes={t.max_minutes:g}")
+                    break
+                if self.stop_signal is not None:
+                    self.save("checkpoint_last.pt", full=True)
+                    self.log(f"{signal.Signals(self.stop_signal).name} received: saved checkpoint_last.pt at step "
+                             f"{self.step}; continue with train.resume=true (--resume)")
+                    raise SystemExit(128 + self.stop_signal)
+            self.save("checkpoint_last.pt", full=True)
+        finally:
+            self.in_loop = False
+            bar.close()  # before any message, so that an error starts its own line
 
     def install_signal_handlers(self):
+        """SIGINT/SIGTERM in the loop: finish the step, save checkpoint_last.pt, exit 128 + signal number.
+        A second signal, or one outside the loop (checkpoint_last.pt is complete then), exits at once."""
         def handler(signum, _frame):
-            if self.stop_signal is not None:  # second signal: stop now
-                raise KeyboardInterrupt
+            name = signal.Signals(signum).name
+            if self.stop_signal is not None or not self.in_loop:
+                self.log(f"{name}: stopping now; {self.last_good()}")
+                raise SystemExit(128 + signum)
             self.stop_signal = signum
-            self.log(f"{signal.Signals(signum).name}: finishing the current step, then saving")
+            self.log(f"{name}: finishing the current step, then saving")
 
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
@@ -531,7 +665,8 @@ class Trainer:
         (self.run_dir / "hyps").mkdir(exist_ok=True)
         for split in [d.valid_split, *dp.load_meta(self.prepared)["test_splits"]]:
             scores, hyps = self.bleu_on(split, beam=dec.beam)
-            (self.run_dir / "hyps" / f"{split}.{d.tgt_lang}").write_text("\n".join(hyps) + "\n", encoding="utf-8")
+            (self.run_dir / "hyps" / f"{split}.{d.tgt_lang}").write_text(
+                "".join(translate.clean(h) + "\n" for h in hyps), encoding="utf-8")  # one line per input line
             results["tests"][split] = scores
         (self.run_dir / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
         print(f"\n{d.src_lang}->{d.tgt_lang}, {chosen} weights, step {self.step}, "
@@ -550,7 +685,10 @@ def plot_curves(run_dir: Path):
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        with contextlib.suppress(ValueError):  # a line cut short by a kill
+            rows.append(json.loads(line))
     if not rows:
         return
     import matplotlib
@@ -591,11 +729,14 @@ def parse_args(argv):
     p.add_argument("--average", metavar="RUN_DIR", help="average the last --last step checkpoints of RUN_DIR and exit")
     p.add_argument("--last", type=int, default=5, help="with --average: how many checkpoints (default 5)")
     p.add_argument("--output", help="with --average: output file (default RUN_DIR/checkpoint_avg.pt)")
+    p.add_argument("--resume", action="store_true", help="continue the run in train.out_dir (= train.resume=true)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run in train.out_dir (= train.overwrite=true)")
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
     p.add_argument("overrides", nargs="*", help="section.key=value")
     args = p.parse_args(argv)
     if not args.config and not args.average:
         p.error("--config is required (or --average RUN_DIR)")
+    args.overrides += ["train.resume=true"] * args.resume + ["train.overwrite=true"] * args.overwrite
     return args
 
 
@@ -603,6 +744,8 @@ def main(argv):
     args = parse_args(argv)
     if args.average:
         run_dir = Path(args.average)
+        if args.last < 1:
+            raise UserError("--last must be >= 1")
         paths = step_checkpoints(run_dir)[-args.last:]
         if not paths:
             raise UserError(f"no checkpoint_step*.pt files in {run_dir}")

@@ -14,6 +14,8 @@ Policies, in one place:
 - Source lines longer than the model's max_positions tokens (or `max_src_len`) are truncated to their first
   tokens (plus eos) with a warning on stderr: one output line per input line, never a crash.
 - Empty or whitespace-only lines give an empty translation without running the model.
+- Every character is passed to the tokenizer as is (control characters, emoji, any script); a translation
+  that decodes to a line break of any kind (\r, \v, \f, U+0085, U+2028...) has it replaced by a space.
 - pad and bos are never generated (their log-probabilities are set to -inf, without renormalising).
 - Beam stopping rule (fairseq's): a sentence is done as soon as `beam` finished hypotheses are collected, or
   when its maximum length is reached. Only eos candidates ranked within the top `beam` of a step are kept, and
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -353,6 +356,20 @@ def one_line(e: Exception, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+def tokenizer_fingerprint(folder) -> str:
+    """sha256 of a saved tokenizer (its settings and files): the trainer stores it in every checkpoint, so a
+    tokenizer folder from another run is caught even when its vocabulary has the same size."""
+    folder = Path(folder)
+    try:
+        info = json.loads((folder / "tokenizer.json").read_text("utf-8"))
+        digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode())
+        for name in info["files"]:
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot load the tokenizer in {folder}: {one_line(e)}") from None
+    return digest.hexdigest()
+
+
 def load_checkpoint(path, device="cpu"):
     """(model, tokenizer, cfg) from a run directory or a checkpoint file whose folder holds tokenizer/."""
     file = find_checkpoint(path)
@@ -376,6 +393,10 @@ def load_checkpoint(path, device="cpu"):
     except (UserError, ValueError, TypeError) as e:
         raise UserError(f"checkpoint {file} holds an unusable config: {one_line(e)}") from None
     state = ckpt["model"]
+    bad = [k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point() and not v.isfinite().all()]
+    if bad:
+        raise UserError(f"checkpoint {file} holds non-finite weights (NaN/inf in {bad[0]}): it was saved from a "
+                        "diverged run; use an earlier checkpoint")
     for prefix in ("module.", "_orig_mod."):  # DistributedDataParallel / torch.compile wrappers
         if state and all(key.startswith(prefix) for key in state):
             state = {key[len(prefix):]: value for key, value in state.items()}
@@ -393,6 +414,10 @@ def load_checkpoint(path, device="cpu"):
         raise
     except Exception as e:
         raise UserError(f"cannot load the tokenizer in {tok_dir}: {one_line(e)}") from None
+    expected = ckpt.get("tokenizer_sha256")  # absent in checkpoints written before it was recorded
+    if expected is not None and tokenizer_fingerprint(tok_dir) != expected:
+        raise UserError(f"the tokenizer in {tok_dir} is not the one {file.name} was trained with (another run's, "
+                        "or altered); copy that run's tokenizer/ folder next to the checkpoint")
     m = cfg.model
     if (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) != (m.src_vocab_size, m.tgt_vocab_size):
         raise UserError(f"tokenizer in {tok_dir} has vocab sizes {tokenizer.src_vocab_size}/"
@@ -483,7 +508,8 @@ and each translation is printed as soon as it is ready (one output line per inpu
 an empty line). With --nbest N each input gives N lines "INDEX<TAB>SCORE<TAB>TRANSLATION", best first, INDEX
 counting input lines from 0. With --reference the scores follow the translations on standard output (a table,
 or one JSON line with --json); use --output to keep the translations out of the way. Lines longer than the
-model's max_positions tokens are truncated with a warning. --debug shows the traceback of an error."""
+model's max_positions tokens are truncated with a warning. --output is written to a temporary file renamed at
+the end, so a failed run leaves an earlier file of that name untouched. --debug shows the traceback of an error."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -550,9 +576,26 @@ def read_lines(path) -> list[str]:
     return [line.removesuffix("\r") for line in lines]
 
 
+LINE_BREAKS = re.compile("[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]")  # all that str.splitlines() splits on
+
+
+def output_path(path, input_path, checkpoint: Path) -> Path:
+    """--output, checked before any work: a file in an existing folder, never the input or a checkpoint."""
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"--output {p} is a directory, expected a file path")
+    if not p.parent.is_dir():
+        raise UserError(f"--output {p}: the folder {p.parent} does not exist")
+    if p.exists() and (p.resolve() == checkpoint.resolve() or p.suffix == ".pt"):
+        raise UserError(f"--output {p} is a checkpoint file: refusing to write translations over it")
+    if p.exists() and input_path and p.resolve() == Path(input_path).resolve():
+        raise UserError(f"--output {p} is also the --input file: write the translations to another file")
+    return p
+
+
 def clean(text: str) -> str:
-    """One output line per input line, whatever the tokenizer decodes."""
-    return text.replace("\r", " ").replace("\n", " ")
+    """One output line per input line, whatever the tokenizer decodes (and however the reader splits lines)."""
+    return LINE_BREAKS.sub(" ", text)
 
 
 def format_output(index: int, hyps, nbest: int) -> list[str]:
@@ -601,6 +644,9 @@ def main(argv=None) -> int:
     if args.plot_attention and len(args.text) != 1:
         raise UserError("--plot-attention needs exactly one sentence given as an argument")
     device = resolve_device(args.device)
+    output = output_path(args.output, args.input, find_checkpoint(args.checkpoint)) if args.output else None
+    if args.plot_attention and Path(args.plot_attention).is_dir():
+        raise UserError(f"--plot-attention {args.plot_attention} is a directory, expected an image file path")
     if args.threads is not None:
         if args.threads < 1:
             raise UserError("--threads must be >= 1")
@@ -636,8 +682,10 @@ def main(argv=None) -> int:
         sources = read_lines(args.input)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")
-    out = open(args.output, "w", encoding="utf-8", newline="\n") if args.output else sys.stdout
+    tmp = output.with_name(f"{output.name}.tmp{os.getpid()}") if output else None
+    out = open(tmp, "w", encoding="utf-8", newline="\n") if output else sys.stdout
     best: list[str] = []  # the best translation per line, for scoring
+    complete = False
     try:
         if sources is not None:  # a known list: batched by length, progress bar for files and splits
             for i, hyps in enumerate(run(sources, progress=not args.text)):
@@ -649,12 +697,17 @@ def main(argv=None) -> int:
                 out.write("".join(text + "\n" for text in format_output(i, hyps, nbest)))
                 out.flush()
                 best.append(hyps if nbest == 1 else hyps[0][0])
+        complete = True
     except BrokenPipeError:  # e.g. piped into `head`: stop quietly, like other command-line tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     finally:
         if out is not sys.stdout:
             out.close()
+            if complete:
+                os.replace(tmp, output)
+            else:
+                tmp.unlink(missing_ok=True)
     sys.stdout.flush()
     if args.plot_attention:
         if not sources[0].strip():
