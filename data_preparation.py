@@ -177,6 +177,8 @@ def user_files(cfg: DataConfig) -> dict[str, dict[str, Path]]:
         files[split] = {}
         for lang in (cfg.src_lang, cfg.tgt_lang):
             path = Path(f"{prefix}.{lang}")
+            if path.is_dir():
+                raise UserError(f"{path} is a directory, expected a text file (from {key}={prefix!r})")
             if not path.is_file():
                 raise UserError(f"data file not found: {path} (from {key}={prefix!r})")
             files[split][lang] = path
@@ -784,7 +786,10 @@ def prepare(cfg: DataConfig, force: bool = False) -> Path:
         print(f"using prepared data {folder} (--force rebuilds it)")
         return folder
     tmp = folder.with_name(f"{folder.name}.tmp{uuid.uuid4().hex[:8]}")  # unique even across machines
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise UserError(f"data.prepared_dir {folder.parent} is not a writable folder: {e.strerror or e}") from None
     try:
         meta = _build(cfg, files, tmp)
         meta.update(settings=settings, inputs=inputs, seconds=round(time.time() - start, 1))

@@ -313,14 +313,13 @@ class Trainer:
         self.run_dir = Path(cfg.train.out_dir)
         self.master = rank == 0
         t = cfg.train
-        if world > 1 and self.master:
-            self.prepared = dp.prepare(cfg.data)
+        # One process per machine prepares the data (machines need not share a disk); the others then find it.
+        first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        if world > 1 and not first_on_node:
             dist.barrier()
-        elif world > 1:
+        self.prepared = dp.prepare(cfg.data)
+        if world > 1 and first_on_node:
             dist.barrier()
-            self.prepared = dp.prepare(cfg.data)
-        else:
-            self.prepared = dp.prepare(cfg.data)
         self.tokenizer = dp.load_tokenizer(self.prepared)
         cfg.model.src_vocab_size = self.tokenizer.src_vocab_size
         cfg.model.tgt_vocab_size = self.tokenizer.tgt_vocab_size

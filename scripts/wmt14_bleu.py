@@ -12,28 +12,13 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
+from pathlib import Path
 
 import sacrebleu
-from sacremoses import MosesTokenizer
 
-COMPOUND = re.compile(r"(\S)-(\S)")
-
-
-def split_compounds(tokenized: str) -> str:
-    """'Arbeits-Platz' -> 'Arbeits ##AT##-##AT## Platz' (the perl s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g)."""
-    return COMPOUND.sub(r"\1 ##AT##-##AT## \2", tokenized)
-
-
-def compound_split_bleu(hyps: list[str], refs: list[str], lang: str = "de") -> float:
-    """Tokenized, compound-split, case-sensitive corpus BLEU of detokenized hypotheses against references."""
-    if len(hyps) != len(refs):
-        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
-    moses = MosesTokenizer(lang)
-    prepare = lambda line: split_compounds(moses.tokenize(line, return_str=True))  # noqa: E731
-    bleu = sacrebleu.metrics.BLEU(tokenize="none", force=True)
-    return bleu.corpus_score([prepare(h) for h in hyps], [[prepare(r) for r in refs]]).score
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from translate import compound_split_bleu, split_compounds  # noqa: E402, F401
 
 
 def sacrebleu_with_signature(hyps: list[str], refs: list[str]) -> tuple[float, str]:
