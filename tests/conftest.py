@@ -77,3 +77,15 @@ def multi30k() -> Path:
     if folder is None:
         pytest.skip("real-data test: set MULTI30K_DIR to the Multi30k raw folder")
     return folder
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and the test machine is shared; restored afterwards.
+    Test modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

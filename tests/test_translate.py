@@ -29,13 +29,7 @@ CLI_ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, "
            "NMT_DEBUG": "0"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models decode fastest on one thread (and the test machine is shared); restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---------------------------------------------------------------- a stub model with hand-set probabilities
 
