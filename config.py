@@ -93,6 +93,7 @@ class TrainConfig:
     max_minutes: float = 0.0  # stop after this much training time (0 = no limit)
     lr_factor: float = 1.0  # multiplies the schedule of eq. 3
     warmup: int = 4000
+    cooldown: float = 0.0  # decay the lr linearly to 0 over this last fraction of the run (0 = paper schedule only)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
@@ -270,6 +271,7 @@ def validate(cfg: Config) -> Config:
         (t.max_steps >= 1, "train.max_steps must be >= 1"),
         (t.warmup >= 1, "train.warmup must be >= 1 (the schedule of eq. 3 divides by it)"),
         (t.lr_factor > 0, "train.lr_factor must be > 0"),
+        (0.0 <= t.cooldown <= 1.0, "train.cooldown must be in [0, 1] (a fraction of the run)"),
         (0.0 <= t.adam_beta1 < 1.0 and 0.0 <= t.adam_beta2 < 1.0, "train.adam_beta1/2 must be in [0, 1)"),
         (t.adam_eps > 0, "train.adam_eps must be > 0"),
         (t.weight_decay >= 0, "train.weight_decay must be >= 0"),

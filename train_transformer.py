@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import data_preparation as dp
@@ -67,16 +66,57 @@ def learning_rate(step: int, d_model: int, warmup: int, factor: float = 1.0) -> 
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
+def cooldown_factor(progress: float, cooldown: float) -> float:
+    """Linear decay of the lr to 0 over the last `cooldown` fraction of the run (not in the paper).
+
+    Why: a run cut by a time budget otherwise stops at a high lr with noisy weights; annealing to zero at the end
+    gives most of what checkpoint averaging gives, and more when there are only a few hundred updates
+    (docs/multi30k_sweeps.md). progress is in [0, 1]: max of steps/max_steps and time/max_minutes."""
+    if cooldown <= 0:
+        return 1.0
+    return max(0.0, min(1.0, (1.0 - progress) / cooldown))
+
+
+class _SmoothedCrossEntropy(torch.autograd.Function):
+    """Per-token label-smoothed cross-entropy and NLL from logits (N,V), with the gradient written in closed form.
+
+    Why not log_softmax + gather + mean under autograd: on a CPU that chain makes ~6 passes over the (N,V) logits
+    forward and backward (the softmax, the mean's expanded gradient, the gather's zero-filled gradient, their sum,
+    the softmax backward); here the forward is one logsumexp and the backward one exp plus in-place updates:
+    d/dz [(1-eps)(lse - z_y) + eps(lse - mean z)] = softmax(z) - (1-eps) onehot(y) - eps/V."""
+
+    @staticmethod
+    def forward(ctx, logits, target, epsilon: float):
+        lse = torch.logsumexp(logits, dim=-1)  # (N,)
+        nll = lse - logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (N,)
+        smooth = lse - logits.mean(dim=-1)  # (N,): cross-entropy against the uniform distribution
+        ctx.save_for_backward(logits, target, lse)
+        ctx.epsilon = epsilon
+        return (1.0 - epsilon) * nll + epsilon * smooth, nll
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):
+        logits, target, lse = ctx.saved_tensors
+        eps, v = ctx.epsilon, logits.size(-1)
+        g_loss = grad_loss if grad_loss is not None else torch.zeros_like(lse)  # (N,)
+        g_nll = grad_nll if grad_nll is not None else torch.zeros_like(lse)  # (N,)
+        grad = (logits - lse.unsqueeze(-1)).exp_()  # (N,V) softmax
+        grad.mul_((g_loss + g_nll).unsqueeze(-1)).sub_((eps / v) * g_loss.unsqueeze(-1))
+        grad.scatter_add_(-1, target.unsqueeze(-1), -((1.0 - eps) * g_loss + g_nll).unsqueeze(-1))
+        return grad, None, None
+
+
 def label_smoothed_nll(logits, target, epsilon: float, pad_id: int):
     """Sum over non-pad tokens of (1-eps)*NLL + eps*(mean NLL over the vocabulary) (Szegedy et al. 2016; paper §5.4).
 
-    logits (B,T,V), target (B,T). Returns (smoothed loss sum, plain NLL sum), both fp32 scalars."""
-    logp = F.log_softmax(logits.float(), dim=-1)  # (B,T,V)
-    nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (B,T)
-    smooth = -logp.mean(dim=-1)  # (B,T): cross-entropy against the uniform distribution
-    keep = target.ne(pad_id)
-    loss = ((1.0 - epsilon) * nll + epsilon * smooth).masked_fill(~keep, 0.0)
-    return loss.sum(), nll.masked_fill(~keep, 0.0).sum()
+    logits (B,T,V), target (B,T). Returns (smoothed loss sum, plain NLL sum): fp32 scalars (fp64 for fp64 logits)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):  # autocast output: the softmax is computed in fp32
+        logits = logits.float()
+    logits = logits.flatten(0, -2)  # (B,T,V) -> (B*T,V)
+    target = target.flatten()  # (B,T) -> (B*T,)
+    loss, nll = _SmoothedCrossEntropy.apply(logits, target, epsilon)  # (B*T,) each
+    pad = target.eq(pad_id)
+    return loss.masked_fill(pad, 0.0).sum(), nll.masked_fill(pad, 0.0).sum()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -436,11 +476,20 @@ class Trainer:
 
     # -- one update --------------------------------------------------------------------------------------------
 
+    def progress(self) -> float:
+        """Fraction of the run done, by steps or by training time, whichever is further (for train.cooldown)."""
+        t = self.cfg.train
+        done = self.step / t.max_steps
+        if t.max_minutes:
+            done = max(done, self.train_seconds / (60 * t.max_minutes))
+        return min(done, 1.0)
+
     def train_step(self, group) -> tuple[float, int]:
         """One optimizer update over update_freq batches; gradients are normalised by the update's target tokens
         summed over all ranks, so N ranks equal one process with update_freq * N."""
         t, pad = self.cfg.train, self.tokenizer.pad_id
         lr = learning_rate(self.step + 1, self.cfg.model.d_model, t.warmup, t.lr_factor)
+        lr *= cooldown_factor(self.progress(), t.cooldown)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         ntok = torch.tensor(float(sum(int(tgt_out.ne(pad).sum()) for _, _, tgt_out in group)), device=self.device)
@@ -770,7 +819,8 @@ def main(argv):
             dist.destroy_process_group()
 
 
-__all__ = ["Config", "config_from_dict", "learning_rate", "label_smoothed_nll", "average_checkpoints", "Trainer"]
+__all__ = ["Config", "config_from_dict", "learning_rate", "cooldown_factor", "label_smoothed_nll",
+           "average_checkpoints", "Trainer"]
 
 if __name__ == "__main__":
     cli_main(main)

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from config import UserError, load_config
-from train_transformer import average_checkpoints, label_smoothed_nll, learning_rate, load_state
+from train_transformer import average_checkpoints, cooldown_factor, label_smoothed_nll, learning_rate, load_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,6 +45,25 @@ def test_learning_rate_matches_eq3():
     assert learning_rate(w - 1, d, w) < learning_rate(w, d, w) > learning_rate(w + 1, d, w)
 
 
+def test_cooldown_factor():
+    assert cooldown_factor(0.99, 0.0) == 1.0  # off: the paper's schedule untouched
+    assert cooldown_factor(0.5, 0.3) == 1.0  # before the last 30%
+    assert cooldown_factor(0.85, 0.3) == pytest.approx(0.5)
+    assert cooldown_factor(1.0, 0.3) == 0.0 and cooldown_factor(1.2, 0.3) == 0.0
+
+
+def test_cooldown_in_the_trainer(tmp_path):
+    """train.cooldown scales eq. 3 by the remaining fraction of max_steps over its last part."""
+    run_train(tiny_args(tmp_path, "train.max_steps=30", "train.eval_every=15", "train.cooldown=0.5",
+                        "train.average_last=0"))
+    cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    d, w, f = cfg["model"]["d_model"], cfg["train"]["warmup"], cfg["train"]["lr_factor"]
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    # the lr of step s is set before it, when (s - 1) of 30 steps are done
+    assert lrs[15] == pytest.approx(learning_rate(15, d, w, f))
+    assert lrs[30] == pytest.approx(learning_rate(30, d, w, f) * (1 - 29 / 30) / 0.5)
+
+
 def test_label_smoothing_closed_form():
     """Model puts p on the target and (1-p)/(V-1) elsewhere: the loss has a closed form."""
     V, eps, p = 7, 0.1, 0.6
@@ -60,6 +80,27 @@ def test_label_smoothing_closed_form():
     ours, _ = label_smoothed_nll(logits, tgt, eps, pad_id=0)
     ref = F.cross_entropy(logits.view(-1, V), tgt.view(-1), ignore_index=0, label_smoothing=eps, reduction="sum")
     assert ours.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_label_smoothing_gradient_matches_autograd(eps):
+    """The closed-form backward equals autograd through log_softmax, for the loss and the NLL outputs, in
+    float64 so that the comparison is tight; gradcheck also checks it against finite differences."""
+    V = 11
+    logits = torch.randn(3, 4, V, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randint(1, V, (3, 4))
+    tgt[2, 2:] = 0
+    w_loss, w_nll = 0.7, -1.3  # weights on the two outputs, so that both backward paths are exercised
+    loss, nll = label_smoothed_nll(logits, tgt, eps, pad_id=0)
+    ours = torch.autograd.grad(w_loss * loss + w_nll * nll, logits)[0]
+    logp = F.log_softmax(logits, dim=-1)
+    keep = tgt.ne(0)
+    ref_nll = -logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+    ref_loss = ((1 - eps) * ref_nll - eps * logp.mean(-1)) * keep
+    ref = torch.autograd.grad(w_loss * ref_loss.sum() + w_nll * (ref_nll * keep).sum(), logits)[0]
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-12)
+    assert ours[2, 2:].abs().max() == 0  # padding gets no gradient
+    assert torch.autograd.gradcheck(lambda z: label_smoothed_nll(z, tgt, eps, 0), (logits,))
 
 
 def test_label_smoothing_optimum_is_smoothed_target():
