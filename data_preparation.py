@@ -475,6 +475,11 @@ class BpeTokenizer(Tokenizer):
         """Learn the merges on at most data.sample_size sentences drawn from both sides (a temp file)."""
         sample = folder / "spm.sample.txt"
         corpus.write_sample(sample, cfg.sample_size)
+        with open(sample, encoding="utf-8") as f:
+            if not any(line.strip() for line in f):
+                sample.unlink()
+                raise UserError("the training data has no non-blank line: nothing to learn a vocabulary from; "
+                                "check the training files of data.train_prefix / data.raw_dir")
         spm.set_random_generator_seed(1)  # shuffle_input_sentence is then reproducible
         try:
             spm.SentencePieceTrainer.train(

@@ -249,8 +249,8 @@ BAD_DATA = [  # (case, expected words of the message)
     ("truncated_mid_char", "line 41 is not valid UTF-8"),
     ("latin1", "not valid UTF-8"),
     ("truncated_gz", "train.en.gz"),
-    ("empty", "train"),
-    ("blank", "train"),
+    ("empty", "no non-blank line"),
+    ("blank", "no non-blank line"),
     ("prepared_is_file", "prepared"),
 ]
 
