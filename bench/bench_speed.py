@@ -490,7 +490,8 @@ def report(results: dict) -> str:
     if "training" in results:
         tr = results["training"]
         lines += ["", f"training step (fwd+bwd+Adam, label smoothing), batch {tr['batch_size']} sentences, "
-                  f"median of {len(next(iter(tr['runs'].values()))['runs_tokens_per_s'])} runs of N steps",
+                  f"median of {len(next(iter(tr['runs'].values()))['runs_tokens_per_s'])} runs of N steps; loss: "
+                  "ours train_transformer.label_smoothed_nll, naive and torch F.cross_entropy",
                   f"{'config':<14} {'params':>10} {'N':>3} {'tgt tok/s':>10} {'TFLOP/s':>8} {'MFU':>7}"]
         for name, r in tr["runs"].items():
             lines.append(f"{name:<14} {r['params']:>10,} {r['steps_per_run']:>3} {r['tokens_per_s']:>10.0f} "
