@@ -70,8 +70,8 @@ def cooldown_factor(progress: float, cooldown: float) -> float:
     """Linear decay of the lr to 0 over the last `cooldown` fraction of the run (not in the paper).
 
     Why: a run cut by a time budget otherwise stops at a high lr with noisy weights; annealing to zero at the end
-    gives most of what checkpoint averaging gives, and more when there are only a few hundred updates
-    (docs/multi30k_sweeps.md). progress is in [0, 1]: max of steps/max_steps and time/max_minutes."""
+    averages out that noise, as checkpoint averaging does at the end of the paper's far longer runs.
+    progress is in [0, 1]: max of steps/max_steps and time/max_minutes (docs/multi30k_sweeps.md)."""
     if cooldown <= 0:
         return 1.0
     return max(0.0, min(1.0, (1.0 - progress) / cooldown))
