@@ -23,8 +23,8 @@ What is compared, and how:
 - MFU = model FLOP/s / measured peak. Model FLOPs per step = 3 x forward matmul FLOPs (backward ~ 2x forward)
   counted on the padded shapes: per encoder layer 2BS(4D^2 + 2DF) + 4BS^2D, per decoder layer
   2BT(4D^2 + 2DF) + 4BT^2D (causal counted in full) + 2BT(2D^2) + 2BS(2D^2) + 4BTSD, plus the generator 2BTDV.
-  The peak is the best, over square sizes 512-2048 (4096-8192 on a GPU), of the median FLOP/s of a matmul in the
-  same precision, measured here.
+  The peak is the best, over squares of 1024-2048 (4096-8192 on a GPU) and the model's own linear-layer shapes
+  (4096 tokens x d_model/d_ff/vocab), of the median FLOP/s of a matmul in the same precision, measured here.
 - Decoding: sentences/s of beam 4 (len penalty 0.6, max length src + 50, §6.1) via translate.search_texts with
   use_cache True and False. Without --checkpoint the model is randomly initialised with an untied generator
   scaled up so distributions are peaked like a trained model's; its outputs rarely end before the maximum
@@ -126,17 +126,18 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def matmul_peak(device: torch.device, precision: str, sizes: list[int], repeats: int) -> float:
-    """Peak FLOP/s: the best over `sizes` of the median rate of an (n,n) @ (n,n) matmul (2 n^3 FLOPs each).
+def matmul_peak(device: torch.device, precision: str, shapes: list[tuple[int, int, int]], repeats: int) -> float:
+    """Peak FLOP/s: the best over `shapes` (m, k, n) of the median rate of an (m,k) @ (k,n) matmul (2mkn FLOPs).
 
-    Why several sizes: a CPU BLAS is not fastest at the largest size (a 2048^2 fp32 matmul ran slower here than
-    the model's own 256-1024 wide matmuls, which gave an MFU over 100%), so one size understates the peak."""
+    Why several shapes, the model's own among them: a CPU BLAS is not fastest on large squares (here a 2048^2
+    fp32 matmul ran at about half the rate of the model's (tokens, 1024) @ (1024, 256)), and a peak below what
+    the model reaches would give an MFU over 100%."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
     best = 0.0
-    for n in sizes:
-        a = torch.randn(n, n, generator=gen).to(device, dtype)
-        b = torch.randn(n, n, generator=gen).to(device, dtype)
+    for m, k, n in shapes:
+        a = torch.randn(m, k, generator=gen).to(device, dtype)
+        b = torch.randn(k, n, generator=gen).to(device, dtype)
         a @ b  # warm-up: kernel selection, allocator
         sync(device)
         start = time.perf_counter()
@@ -150,7 +151,7 @@ def matmul_peak(device: torch.device, precision: str, sizes: list[int], repeats:
             for _ in range(inner):
                 a @ b
             sync(device)
-            rates.append(2 * n**3 * inner / (time.perf_counter() - start))
+            rates.append(2 * m * k * n * inner / (time.perf_counter() - start))
         best = max(best, statistics.median(rates))
     return best
 
@@ -586,8 +587,10 @@ def fill_defaults(args) -> None:
     args.decode_repeats = args.decode_repeats or (1 if quick else 3)
     args.max_len_b = 8 if tiny else 50
     args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-    args.matmul_sizes = ([256] if tiny else [4096, 8192] if args.device.startswith("cuda")
-                         else [512, 1024] if quick else [512, 1024, 2048])
+    cfg = model_config(args)
+    d, f, v = cfg.d_model, cfg.d_ff, args.vocab
+    squares = [256] if tiny else [4096, 8192] if args.device.startswith("cuda") else [1024, 2048]
+    args.matmul_shapes = [(n, n, n) for n in squares] + ([] if tiny else [(4096, d, f), (4096, f, d), (4096, d, v)])
     if bad := [p for p in args.precisions if p not in ("fp32", "bf16")]:
         raise UserError(f"--precisions {','.join(bad)}: use fp32 and/or bf16")
     if args.threads is not None and args.threads < 1:
@@ -604,7 +607,7 @@ def main(argv) -> int:
     results = {"env": environment(device), "settings": {k: v for k, v in vars(args).items()}}
     print(report({"env": results["env"], "matmul_peak_tflops": {}}).split("\n")[0], file=sys.stderr, flush=True)
     slow_bf16 = device.type == "cpu" and not results["env"]["cpu_native_bf16"]  # emulated: seconds per matmul
-    peaks = {p: matmul_peak(device, p, args.matmul_sizes[:1] if p == "bf16" and slow_bf16 else args.matmul_sizes,
+    peaks = {p: matmul_peak(device, p, args.matmul_shapes[:1] if p == "bf16" and slow_bf16 else args.matmul_shapes,
                             args.repeats) for p in ("fp32", "bf16")}
     results["matmul_peak_tflops"] = {p: v / 1e12 for p, v in peaks.items()}
     out = Path(args.out)
