@@ -639,6 +639,10 @@ class Trainer:
                 now = time.perf_counter()
                 self.train_seconds += now - t0
                 t0 = now
+                if self.world > 1:  # one clock for all ranks: the same cooldown lr and the same stopping step
+                    clock = torch.tensor(self.train_seconds, dtype=torch.float64, device=self.device)
+                    dist.broadcast(clock, src=0)
+                    self.train_seconds = float(clock)
                 window_tokens += ntok
                 out_of_time = t.max_minutes and self.train_seconds >= 60 * t.max_minutes
                 if self.step > before:  # a skipped (non-finite) update is no step: no log, eval or save for it
