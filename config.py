@@ -87,6 +87,7 @@ class TrainConfig:
     out_dir: str = "runs/multi30k_en_de"
     seed: int = 1
     max_tokens: int = 4096  # tokens per batch (source or target side, padding included)
+    pad_multiple: int = 8  # batch lengths rounded up to this: 8 suits GPUs and torch.compile; 1 pads least (CPU)
     update_freq: int = 1  # gradient accumulation: batches per optimizer step
     max_steps: int = 10000
     max_epochs: int = 0  # 0 = no limit
@@ -267,6 +268,7 @@ def validate(cfg: Config) -> Config:
         (d.min_freq >= 1, "data.min_freq must be >= 1"),
         (d.max_len >= 1 and d.max_len_ratio >= 1.0, "data.max_len must be >= 1 and data.max_len_ratio >= 1"),
         (t.max_tokens >= 16, "train.max_tokens must be at least 16"),
+        (t.pad_multiple >= 1, "train.pad_multiple must be >= 1 (1 = no rounding)"),
         (t.update_freq >= 1, "train.update_freq must be >= 1"),
         (t.max_steps >= 1, "train.max_steps must be >= 1"),
         (t.warmup >= 1, "train.warmup must be >= 1 (the schedule of eq. 3 divides by it)"),

@@ -109,12 +109,12 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 def label_smoothed_nll(logits, target, epsilon: float, pad_id: int):
     """Sum over non-pad tokens of (1-eps)*NLL + eps*(mean NLL over the vocabulary) (Szegedy et al. 2016; paper §5.4).
 
-    logits (B,T,V), target (B,T). Returns (smoothed loss sum, plain NLL sum): fp32 scalars (fp64 for fp64 logits)."""
+    logits (B,T,V), target (B,T), or logits (N,V), target (N,) already without padding. Returns (smoothed loss sum, plain NLL sum): fp32 scalars (fp64 for fp64 logits)."""
     if logits.dtype in (torch.float16, torch.bfloat16):  # autocast output: the softmax is computed in fp32
         logits = logits.float()
-    logits = logits.flatten(0, -2)  # (B,T,V) -> (B*T,V)
+    logits = logits.flatten(0, -2)  # (B,T,V) -> (B*T,V); (N,V) stays
     target = target.flatten()  # (B,T) -> (B*T,)
-    loss, nll = _SmoothedCrossEntropy.apply(logits, target, epsilon)  # (B*T,) each
+    loss, nll = _SmoothedCrossEntropy.apply(logits, target, epsilon)  # (B*T,) or (N,) each
     pad = target.eq(pad_id)
     return loss.masked_fill(pad, 0.0).sum(), nll.masked_fill(pad, 0.0).sum()
 
@@ -383,7 +383,8 @@ class Trainer:
         np.random.seed(t.seed)
         self.model = Transformer(cfg.model).to(device)
         self.sampler = dp.TokenBatchSampler(self.train_split.src_lengths, self.train_split.tgt_lengths, t.max_tokens,
-                                            shuffle=True, seed=t.seed, rank=rank, world_size=world)
+                                            shuffle=True, seed=t.seed, rank=rank, world_size=world,
+                                            pad_multiple=t.pad_multiple)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2),
                                           eps=t.adam_eps, weight_decay=t.weight_decay)
         self.scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
@@ -468,8 +469,8 @@ class Trainer:
             while self.batch_in_epoch < len(order):
                 indices = order[self.batch_in_epoch]
                 self.batch_in_epoch += 1
-                yield [x.to(self.device, non_blocking=True) for x in dp.collate(self.train_split, indices,
-                                                                                   self.tokenizer.pad_id)]
+                batch = dp.collate(self.train_split, indices, self.tokenizer.pad_id, self.cfg.train.pad_multiple)
+                yield [x.to(self.device, non_blocking=True) for x in batch]
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
             if self.cfg.train.max_epochs and self.epoch >= self.cfg.train.max_epochs:
                 return
@@ -502,8 +503,9 @@ class Trainer:
             sync = i == len(group) - 1 or self.world == 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 with translate.autocast(self.device, t.precision):
-                    logits = self.forward(src, tgt_in)
-                loss, nll = label_smoothed_nll(logits, tgt_out, t.label_smoothing, pad)
+                    keep = tgt_out.ne(pad)  # (B,T) real target tokens
+                    logits = self.forward(src, tgt_in, keep=keep)  # (N,V)
+                loss, nll = label_smoothed_nll(logits, tgt_out[keep], t.label_smoothing, pad)
                 self.scaler.scale(loss * self.world / ntok).backward()
             nll_total += float(nll.detach())
         self.scaler.unscale_(self.optimizer)
@@ -543,11 +545,12 @@ class Trainer:
     def valid_loss(self) -> float:
         self.model.eval()
         sampler = dp.TokenBatchSampler(self.valid_split.src_lengths, self.valid_split.tgt_lengths,
-                                       self.cfg.train.max_tokens, shuffle=False, seed=0)
+                                       self.cfg.train.max_tokens, shuffle=False, seed=0,
+                                       pad_multiple=self.cfg.train.pad_multiple)
         total, count = 0.0, 0
         for indices in sampler:
-            src, tgt_in, tgt_out = (x.to(self.device) for x in dp.collate(self.valid_split, indices,
-                                                                          self.tokenizer.pad_id))
+            batch = dp.collate(self.valid_split, indices, self.tokenizer.pad_id, self.cfg.train.pad_multiple)
+            src, tgt_in, tgt_out = (x.to(self.device) for x in batch)
             with translate.autocast(self.device, self.cfg.train.precision):
                 logits = self.model(src, tgt_in)
             total += float(label_smoothed_nll(logits, tgt_out, 0.0, self.tokenizer.pad_id)[1])

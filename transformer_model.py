@@ -411,11 +411,16 @@ class Transformer(nn.Module):
         h = self.dec_norm(x)
         return (h, weights) if need_weights else h
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, need_weights: bool = False):
-        """Logits (B,T,V); need_weights=True takes the explicit path and returns the attention weights too."""
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, need_weights: bool = False,
+                keep: torch.Tensor | None = None):
+        """Logits (B,T,V); need_weights=True takes the explicit path and returns the attention weights too.
+
+        keep (B,T), True at the N positions that need logits, gives logits (N,V) instead: training passes the
+        real target tokens, so the V-wide output projection, the largest matmul, is not spent on padding."""
         memory, src_mask, enc_weights = self._encode(src, need_weights)
         if not need_weights:
-            return self.generator(self.decode(tgt_in, memory, src_mask))
+            h = self.decode(tgt_in, memory, src_mask)  # (B,T,D)
+            return self.generator(h if keep is None else h[keep])  # (B,T,V), or (B,T,D)[keep] -> (N,D) -> (N,V)
         h, weights = self.decode(tgt_in, memory, src_mask, need_weights=True)
         return self.generator(h), {"enc_self": enc_weights, **weights}
 

@@ -14,15 +14,18 @@ What is compared, and how:
   monkeypatched to explicit_attention (the textbook matmul/softmax/matmul path, module global replaced for
   that configuration only); "torch" is torch.nn.Transformer with the same dims, pre-norm, dropout, the same
   embedding * sqrt(d) + sinusoid and a tied Linear generator, so parameters and FLOPs are identical.
-  "ours" computes the loss with train_transformer.label_smoothed_nll (closed-form gradient); "naive" and
-  "torch" with stock F.cross_entropy(label_smoothing=0.1), what code built on PyTorch's modules writes.
+  "ours" is the project's training step: logits only at real target tokens (Transformer.forward(keep=...)),
+  loss by train_transformer.label_smoothed_nll (closed-form gradient); "naive" and "torch" compute logits at
+  every padded position and use stock F.cross_entropy(label_smoothing=0.1), what code built on PyTorch's
+  modules writes.
   Throughput counts real (non-pad) target tokens per second. On a CPU without native bf16 (no AMX/AVX512-BF16
   in /proc/cpuinfo) autocast emulates bf16, ~7x slower than fp32: those runs time one step each.
 - The process re-executes itself with tcmalloc preloaded, as train_transformer.ensure_fast_allocator does
   (NMT_NO_TCMALLOC=1 opts out); threads, torch version, CPU model and the allocator are printed first.
 - MFU = model FLOP/s / measured peak. Model FLOPs per step = 3 x forward matmul FLOPs (backward ~ 2x forward)
   counted on the padded shapes: per encoder layer 2BS(4D^2 + 2DF) + 4BS^2D, per decoder layer
-  2BT(4D^2 + 2DF) + 4BT^2D (causal counted in full) + 2BT(2D^2) + 2BS(2D^2) + 4BTSD, plus the generator 2BTDV.
+  2BT(4D^2 + 2DF) + 4BT^2D (causal counted in full) + 2BT(2D^2) + 2BS(2D^2) + 4BTSD, plus the generator 2NDV
+  for the N real target tokens (the useful work: logits at padding are wasted by the configurations doing it).
   The peak is the best, over squares of 1024-2048 (4096-8192 on a GPU) and the model's own linear-layer shapes
   (4096 tokens x d_model/d_ff/vocab), of the median FLOP/s of a matmul in the same precision, measured here.
 - Decoding: sentences/s of beam 4 (len penalty 0.6, max length src + 50, §6.1) via translate.search_texts with
@@ -230,13 +233,13 @@ def synthetic_batches(n: int, batch: int, max_len: int, vocab: int, seed: int, d
     return out
 
 
-def forward_flops(cfg: tm.ModelConfig, b: int, s: int, t: int) -> float:
-    """Matmul FLOPs of one forward pass on padded shapes (formula in the module docstring)."""
+def forward_flops(cfg: tm.ModelConfig, b: int, s: int, t: int, n: int) -> float:
+    """Matmul FLOPs of one forward pass: layers on the padded shapes, generator on the n real target tokens."""
     d, f, v = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
     enc = 2 * b * s * (4 * d * d + 2 * d * f) + 4 * b * s * s * d
     dec = (2 * b * t * (4 * d * d + 2 * d * f) + 4 * b * t * t * d
            + 2 * b * t * 2 * d * d + 2 * b * s * 2 * d * d + 4 * b * t * s * d)
-    return cfg.n_enc_layers * enc + cfg.n_dec_layers * dec + 2 * b * t * d * v
+    return cfg.n_enc_layers * enc + cfg.n_dec_layers * dec + 2 * n * d * v
 
 
 class Trainer:
@@ -260,10 +263,12 @@ class Trainer:
             g["lr"] = tt.learning_rate(self.n_steps, self.model.cfg.d_model, warmup=4000)
         ntok = int(tgt_out.ne(PAD_ID).sum())
         self.opt.zero_grad(set_to_none=True)
+        ours = self.name == "ours"
+        keep = tgt_out.ne(PAD_ID)  # (B,T) real target tokens
         with attention_path(self.naive), precision_ctx(self.device, self.precision):
-            logits = self.forward(src, tgt_in)
-        if self.name == "ours":
-            loss, _ = tt.label_smoothed_nll(logits, tgt_out, 0.1, PAD_ID)
+            logits = self.forward(src, tgt_in, keep=keep) if ours else self.forward(src, tgt_in)  # (N,V) / (B,T,V)
+        if ours:  # the project's training step: logits of real tokens only, closed-form loss gradient
+            loss, _ = tt.label_smoothed_nll(logits, tgt_out[keep], 0.1, PAD_ID)
         else:  # stock PyTorch: log_softmax + NLL under autograd
             loss = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD_ID,
                                    label_smoothing=0.1, reduction="sum")
@@ -279,7 +284,8 @@ class Trainer:
         sync(self.device)
         self.times.append(time.perf_counter() - start)
         self.tokens.append(ntok)
-        self.flops.append(sum(3 * forward_flops(self.model.cfg, *b[0].shape, b[1].size(1)) for b in batches))
+        self.flops.append(sum(3 * forward_flops(self.model.cfg, *b[0].shape, b[1].size(1), int(b[2].ne(PAD_ID).sum()))
+                              for b in batches))
 
     def summary(self, peak: float) -> dict:
         rates = [n / s for n, s in zip(self.tokens, self.times, strict=True)]
@@ -492,7 +498,8 @@ def report(results: dict) -> str:
         tr = results["training"]
         lines += ["", f"training step (fwd+bwd+Adam, label smoothing), batch {tr['batch_size']} sentences, "
                   f"median of {len(next(iter(tr['runs'].values()))['runs_tokens_per_s'])} runs of N steps; loss: "
-                  "ours train_transformer.label_smoothed_nll, naive and torch F.cross_entropy",
+                  "ours logits at real tokens only + train_transformer.label_smoothed_nll, naive and torch logits "
+                  "at every position + F.cross_entropy",
                   f"{'config':<14} {'params':>10} {'N':>3} {'tgt tok/s':>10} {'TFLOP/s':>8} {'MFU':>7}"]
         for name, r in tr["runs"].items():
             lines.append(f"{name:<14} {r['params']:>10,} {r['steps_per_run']:>3} {r['tokens_per_s']:>10.0f} "

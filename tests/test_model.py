@@ -196,6 +196,17 @@ def test_appended_padding_changes_nothing(variant):
     assert close(model(src, tgt)[1:, :3], short)
 
 
+def test_logits_at_kept_positions_only():
+    """forward(keep=mask) returns the (N,V) rows of the full (B,T,V) logits where mask is True, in order."""
+    model = tiny_model()
+    src, tgt = tokens(3, 6, SRC_V), tokens(3, 5, TGT_V, seed=2)
+    tgt[1, 2:], tgt[2, 4:] = 0, 0
+    keep = tgt.ne(0)
+    kept = model(src, tgt, keep=keep)
+    assert kept.shape == (int(keep.sum()), TGT_V)
+    assert close(kept, model(src, tgt)[keep])
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cached_decoding_equals_full_pass_and_beam_reorder(variant):
     model = tiny_model(variant, max_positions=5)  # also decodes past the precomputed table

@@ -103,6 +103,29 @@ def test_label_smoothing_gradient_matches_autograd(eps):
     assert torch.autograd.gradcheck(lambda z: label_smoothed_nll(z, tgt, eps, 0), (logits,))
 
 
+def test_loss_on_kept_logits_equals_loss_on_padded_logits():
+    """The trainer's step (logits at real target tokens only) gives the loss and gradients of the plain one."""
+    from transformer_model import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(src_vocab_size=23, tgt_vocab_size=23, d_model=16, n_heads=4, n_enc_layers=1,
+                                    n_dec_layers=1, d_ff=32, dropout=0.0, share_embeddings=True))
+    src, tgt_in, tgt_out = (torch.randint(1, 23, (3, n)) for n in (6, 5, 5))
+    src[0, 4:], tgt_in[1, 3:], tgt_out[1, 2:] = 0, 0, 0
+    runs = []
+    for keep in (None, tgt_out.ne(0)):
+        model.zero_grad()
+        logits = model(src, tgt_in) if keep is None else model(src, tgt_in, keep=keep)
+        loss, nll = label_smoothed_nll(logits, tgt_out if keep is None else tgt_out[keep], 0.1, pad_id=0)
+        loss.backward()
+        runs.append((loss.detach(), nll.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_a, nll_a, grads_a), (loss_b, nll_b, grads_b) = runs
+    torch.testing.assert_close(loss_a, loss_b)
+    torch.testing.assert_close(nll_a, nll_b)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_label_smoothing_optimum_is_smoothed_target():
     """Minimising the smoothed loss drives the target probability to 1 - eps + eps/V, not to 1."""
     V, eps = 5, 0.2
@@ -126,6 +149,8 @@ def test_config_errors(tmp_path):
         load_config("configs/tiny.yaml", ["train.max_steps=abc"])
     with pytest.raises(UserError, match="warmup"):
         load_config("configs/tiny.yaml", ["train.warmup=0"])
+    with pytest.raises(UserError, match="pad_multiple"):
+        load_config("configs/tiny.yaml", ["train.pad_multiple=0"])
     cfg = load_config("configs/tiny.yaml", ["train.max_steps=7", "model.dropout=0.25"])
     assert cfg.train.max_steps == 7 and cfg.model.dropout == 0.25
 
@@ -160,9 +185,10 @@ def test_tiny_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_resume_equals_uninterrupted(tmp_path):
-    common = ["train.precision=fp32", "train.eval_every=1000", "train.average_last=0", "train.max_steps=24"]
+    common = ["train.precision=fp32", "train.eval_every=1000", "train.average_last=0", "train.max_steps=24",
+              "train.pad_multiple=1"]  # CPU recipes' setting; sampler boundaries must be rebuilt identically
     run_train(tiny_args(tmp_path / "a", *common))
-    run_train(tiny_args(tmp_path / "b", *common[:-1], "train.max_steps=11"))
+    run_train(tiny_args(tmp_path / "b", *common[:3], "train.max_steps=11", *common[4:]))
     run_train(tiny_args(tmp_path / "b", *common, "train.resume=true"))
     a = load_state(tmp_path / "a" / "run" / "checkpoint_last.pt")
     b = load_state(tmp_path / "b" / "run" / "checkpoint_last.pt")
