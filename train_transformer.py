@@ -109,7 +109,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 def label_smoothed_nll(logits, target, epsilon: float, pad_id: int):
     """Sum over non-pad tokens of (1-eps)*NLL + eps*(mean NLL over the vocabulary) (Szegedy et al. 2016; paper §5.4).
 
-    logits (B,T,V), target (B,T), or logits (N,V), target (N,) already without padding. Returns (smoothed loss sum, plain NLL sum): fp32 scalars (fp64 for fp64 logits)."""
+    logits (B,T,V), target (B,T), or logits (N,V), target (N,) already without padding.
+    Returns (smoothed loss sum, plain NLL sum): fp32 scalars (fp64 for fp64 logits)."""
     if logits.dtype in (torch.float16, torch.bfloat16):  # autocast output: the softmax is computed in fp32
         logits = logits.float()
     logits = logits.flatten(0, -2)  # (B,T,V) -> (B*T,V); (N,V) stays
