@@ -552,10 +552,11 @@ class Trainer:
         for indices in sampler:
             batch = dp.collate(self.valid_split, indices, self.tokenizer.pad_id, self.cfg.train.pad_multiple)
             src, tgt_in, tgt_out = (x.to(self.device) for x in batch)
+            keep = tgt_out.ne(self.tokenizer.pad_id)  # (B,T) real target tokens
             with translate.autocast(self.device, self.cfg.train.precision):
-                logits = self.model(src, tgt_in)
-            total += float(label_smoothed_nll(logits, tgt_out, 0.0, self.tokenizer.pad_id)[1])
-            count += int(tgt_out.ne(self.tokenizer.pad_id).sum())
+                logits = self.model(src, tgt_in, keep=keep)  # (N,V)
+            total += float(label_smoothed_nll(logits, tgt_out[keep], 0.0, self.tokenizer.pad_id)[1])
+            count += int(keep.sum())
         self.model.train()
         return total / max(count, 1)
 

@@ -14,6 +14,7 @@ import yaml
 
 from config import UserError, load_config
 from train_transformer import average_checkpoints, cooldown_factor, label_smoothed_nll, learning_rate, load_state
+from transformer_model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,8 +106,6 @@ def test_label_smoothing_gradient_matches_autograd(eps):
 
 def test_loss_on_kept_logits_equals_loss_on_padded_logits():
     """The trainer's step (logits at real target tokens only) gives the loss and gradients of the plain one."""
-    from transformer_model import ModelConfig, Transformer
-
     torch.manual_seed(0)
     model = Transformer(ModelConfig(src_vocab_size=23, tgt_vocab_size=23, d_model=16, n_heads=4, n_enc_layers=1,
                                     n_dec_layers=1, d_ff=32, dropout=0.0, share_embeddings=True))
@@ -185,11 +184,11 @@ def test_tiny_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_resume_equals_uninterrupted(tmp_path):
-    common = ["train.precision=fp32", "train.eval_every=1000", "train.average_last=0", "train.max_steps=24",
-              "train.pad_multiple=1"]  # CPU recipes' setting; sampler boundaries must be rebuilt identically
-    run_train(tiny_args(tmp_path / "a", *common))
-    run_train(tiny_args(tmp_path / "b", *common[:3], "train.max_steps=11", *common[4:]))
-    run_train(tiny_args(tmp_path / "b", *common, "train.resume=true"))
+    # pad_multiple 1, the CPU recipes' setting: the resumed run must rebuild the same batch boundaries
+    common = ["train.precision=fp32", "train.eval_every=1000", "train.average_last=0", "train.pad_multiple=1"]
+    run_train(tiny_args(tmp_path / "a", *common, "train.max_steps=24"))
+    run_train(tiny_args(tmp_path / "b", *common, "train.max_steps=11"))
+    run_train(tiny_args(tmp_path / "b", *common, "train.max_steps=24", "train.resume=true"))
     a = load_state(tmp_path / "a" / "run" / "checkpoint_last.pt")
     b = load_state(tmp_path / "b" / "run" / "checkpoint_last.pt")
     assert a["step"] == b["step"] == 24
