@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-import sys
-import traceback
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,34 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from runtime import UserError, write_text
 from transformer_model import ModelConfig
-
-
-class UserError(Exception):
-    """A mistake the user can fix (bad config, missing file...): reported as one line, without a traceback."""
-
-
-def cli_main(main, argv=None):
-    """Run ``main(argv)``; a UserError becomes ``error: ...`` on stderr and exit status 2 (--debug: traceback)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("NMT_DEBUG") == "1"
-    argv = [a for a in argv if a != "--debug"]
-    try:
-        return main(argv)
-    except UserError as e:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    except OSError as e:  # disk full, permission denied, a file where a folder should be: the machine, not a bug
-        if debug:
-            traceback.print_exc()
-        where = f": {e.filename}" if e.filename else ""
-        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
-        sys.exit(2)
 
 
 @dataclass
@@ -135,11 +106,7 @@ class Config:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-
-
-def _section_class(name):
-    return {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "decode": DecodeConfig}[name]
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "decode": DecodeConfig}  # Config's fields
 
 
 def _check_type(where: str, value, annotation):
@@ -185,7 +152,7 @@ def _check_type(where: str, value, annotation):
 
 
 def _build_section(name: str, values: dict, base=None):
-    cls = _section_class(name)
+    cls = SECTIONS[name]
     fields = typing.get_type_hints(cls)
     obj = base if base is not None else cls()
     if not isinstance(values, dict):
@@ -308,8 +275,5 @@ def load_config(path, overrides: list[str] | None = None) -> Config:
 
 
 def save_config(cfg: Config, path) -> None:
-    """Write through a temp file and rename: a run killed meanwhile keeps a readable config.yaml for resuming."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
+    """Written atomically: a run killed meanwhile keeps a readable config.yaml for resuming."""
+    write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

@@ -14,6 +14,7 @@ Masks are boolean with "True = may attend"; a key padding mask (B,S) is True at 
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -187,7 +188,7 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(d, d)  # W^O
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, memory: torch.Tensor | None = None,
-                state: dict | None = None, need_weights: bool = False):
+                state: dict | None = None, need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B,T,D) -> (B,T,D) and weights (B,H,T,N) or None; `state` is this layer's slot of a KVCache."""
         b, t, _ = x.shape
         if self.cross:
@@ -297,7 +298,8 @@ class EncoderLayer(Residual):
         self.ff = FeedForward(cfg)
         self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, need_weights: bool = False):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor,
+                need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         a, w = self.self_attn(self.pre(x, self.norm1), mask, need_weights=need_weights)
         x = self.post(x, a, self.norm1)
         x = self.post(x, self.ff(self.pre(x, self.norm2)), self.norm2)
@@ -315,7 +317,8 @@ class DecoderLayer(Residual):
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, self_mask: torch.Tensor | None,
-                cross_mask: torch.Tensor, state: dict | None = None, need_weights: bool = False):
+                cross_mask: torch.Tensor, state: dict | None = None,
+                need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         a, w_self = self.self_attn(self.pre(x, self.norm1), self_mask, state=state, need_weights=need_weights)
         x = self.post(x, a, self.norm1)
         a, w_cross = self.cross_attn(self.pre(x, self.norm2), cross_mask, memory=memory, state=state,
@@ -326,6 +329,15 @@ class DecoderLayer(Residual):
 
 
 # ---------------------------------------------------------------- the model
+
+
+class AttentionResult(NamedTuple):
+    """What forward_with_attention returns: logits and, per layer, attention weights (rows sum to 1)."""
+
+    logits: torch.Tensor  # (B,T,V)
+    enc_self: list[torch.Tensor]  # per encoder layer (B,H,S,S)
+    dec_self: list[torch.Tensor]  # per decoder layer (B,H,T,T)
+    cross: list[torch.Tensor]  # per decoder layer (B,H,T,S): target position t attending to source position s
 
 
 class Transformer(nn.Module):
@@ -375,7 +387,8 @@ class Transformer(nn.Module):
         x = table(tokens) * math.sqrt(self.cfg.d_model)  # (B,T,D)
         return self.embed_dropout(x + self.positions(tokens.size(1), offset))
 
-    def _encode(self, src: torch.Tensor, need_weights: bool):
+    def _encode(self, src: torch.Tensor, need_weights: bool) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """memory (B,S,D), src_mask (B,S) and per layer the self-attention weights (B,H,S,S) (None: fast path)."""
         src_mask = padding_mask(src, self.cfg.pad_id)  # (B,S) True = real token
         attn_mask = src_mask[:, None, None, :]  # (B,S) -> (B,1,1,S): every query may see every real key
         x = self.embed(src, self.src_embed)
@@ -390,13 +403,9 @@ class Transformer(nn.Module):
         memory, src_mask, _ = self._encode(src, need_weights=False)
         return memory, src_mask
 
-    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-               cache: KVCache | None = None, need_weights: bool = False):
-        """Decoder stack (§3.1): tgt (B,T) -> hidden (B,T,D); with a cache, tgt holds only the new tokens.
-
-        Target padding needs no mask: pads come after the real tokens, and causality already hides later keys.
-        For beam search, reorder src_mask (and memory) together with `cache.reorder(index)`.
-        """
+    def _decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: KVCache | None,
+                need_weights: bool) -> tuple[torch.Tensor, dict[str, list]]:
+        """hidden (B,T,D) and per layer the weights {"dec_self": (B,H,T,T), "cross": (B,H,T,S)} (None: fast)."""
         offset = cache.length if cache is not None else 0
         t = tgt.size(1)
         x = self.embed(tgt, self.tgt_embed, offset)
@@ -408,21 +417,31 @@ class Transformer(nn.Module):
             x, w_self, w_cross = layer(x, memory, self_mask, cross_mask, state, need_weights)
             weights["dec_self"].append(w_self)
             weights["cross"].append(w_cross)
-        h = self.dec_norm(x)
-        return (h, weights) if need_weights else h
+        return self.dec_norm(x), weights
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, need_weights: bool = False,
-                keep: torch.Tensor | None = None):
-        """Logits (B,T,V); need_weights=True takes the explicit path and returns the attention weights too.
+    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
+               cache: KVCache | None = None) -> torch.Tensor:
+        """Decoder stack (§3.1): tgt (B,T) -> hidden (B,T,D); with a cache, tgt holds only the new tokens.
+
+        Target padding needs no mask: pads come after the real tokens, and causality already hides later keys.
+        For beam search, reorder src_mask (and memory) together with `cache.reorder(index)`.
+        """
+        return self._decode(tgt, memory, src_mask, cache, need_weights=False)[0]
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B,T,V) of the next token at every target position (teacher forcing).
 
         keep (B,T), True at the N positions that need logits, gives logits (N,V) instead: training passes the
         real target tokens, so the V-wide output projection, the largest matmul, is not spent on padding."""
-        memory, src_mask, enc_weights = self._encode(src, need_weights)
-        if not need_weights:
-            h = self.decode(tgt_in, memory, src_mask)  # (B,T,D)
-            return self.generator(h if keep is None else h[keep])  # (B,T,V), or (B,T,D)[keep] -> (N,D) -> (N,V)
-        h, weights = self.decode(tgt_in, memory, src_mask, need_weights=True)
-        return self.generator(h), {"enc_self": enc_weights, **weights}
+        memory, src_mask = self.encode(src)
+        h = self.decode(tgt_in, memory, src_mask)  # (B,T,D)
+        return self.generator(h if keep is None else h[keep])  # (B,T,V), or (B,T,D)[keep] -> (N,D) -> (N,V)
+
+    def forward_with_attention(self, src: torch.Tensor, tgt_in: torch.Tensor) -> "AttentionResult":
+        """forward() through the textbook path of eq. (1) (explicit_attention), keeping every attention weight."""
+        memory, src_mask, enc_weights = self._encode(src, need_weights=True)
+        h, weights = self._decode(tgt_in, memory, src_mask, None, need_weights=True)
+        return AttentionResult(self.generator(h), enc_weights, weights["dec_self"], weights["cross"])
 
     def new_cache(self) -> KVCache:
         """An empty cache for incremental decoding with `decode(new_tokens, memory, src_mask, cache)`."""

@@ -15,7 +15,7 @@ What is compared, and how:
   that configuration only); "torch" is torch.nn.Transformer with the same dims, pre-norm, dropout, the same
   embedding * sqrt(d) + sinusoid and a tied Linear generator, so parameters and FLOPs are identical.
   "ours" is the project's training step: logits only at real target tokens (Transformer.forward(keep=...)),
-  loss by train_transformer.label_smoothed_nll (closed-form gradient); "naive" and "torch" compute logits at
+  loss by loss.label_smoothed_nll (closed-form gradient); "naive" and "torch" compute logits at
   every padded position and use stock F.cross_entropy(label_smoothing=0.1), what code built on PyTorch's
   modules writes.
   Throughput counts real (non-pad) target tokens per second. On a CPU without native bf16 (no AMX/AVX512-BF16
@@ -28,7 +28,7 @@ What is compared, and how:
   for the N real target tokens (the useful work: logits at padding are wasted by the configurations doing it).
   The peak is the best, over squares of 1024-2048 (4096-8192 on a GPU) and the model's own linear-layer shapes
   (4096 tokens x d_model/d_ff/vocab), of the median FLOP/s of a matmul in the same precision, measured here.
-- Decoding: sentences/s of beam 4 (len penalty 0.6, max length src + 50, §6.1) via translate.search_texts with
+- Decoding: sentences/s of beam 4 (len penalty 0.6, max length src + 50, §6.1) via decoding.search_texts with
   use_cache True and False. Without --checkpoint the model is randomly initialised with an untied generator
   scaled up so distributions are peaked like a trained model's; its outputs rarely end before the maximum
   length, so they are much longer than a trained model's and the cache speed-up is larger than on real output.
@@ -61,11 +61,15 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
+import corpora  # noqa: E402
 import data_preparation as dp  # noqa: E402
 import train_transformer as tt  # noqa: E402
 import transformer_model as tm  # noqa: E402
-import translate  # noqa: E402
-from config import UserError, cli_main, load_config  # noqa: E402
+from checkpoint import load_checkpoint  # noqa: E402
+from config import load_config  # noqa: E402
+from decoding import search_texts  # noqa: E402
+from loss import label_smoothed_nll  # noqa: E402
+from runtime import UserError, autocast, cli_main, native_bf16, resolve_device  # noqa: E402
 
 PAD_ID, EOS_ID = 0, 3
 NOMINAL_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16 tensor-core peak of the SXM parts (datasheet)
@@ -101,26 +105,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def precision_ctx(device: torch.device, precision: str):
-    return translate.autocast(device, precision)
-
-
 # ---------------------------------------------------------------- machine facts
 
 
-def cpu_info() -> tuple[str, bool]:
-    """(CPU model name, whether it computes bf16 natively: AMX or AVX512-BF16; else autocast emulates it)."""
+def cpu_name() -> str:
+    """The CPU model name from /proc/cpuinfo."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or "unknown", False
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+        return platform.processor() or "unknown"
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
                 platform.processor() or "unknown")
-    return name, ("amx_bf16" in text or "avx512_bf16" in text)
 
 
 def environment(device: torch.device) -> dict:
-    cpu, native = cpu_info()
+    cpu, native = cpu_name(), native_bf16(torch.device("cpu"))
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
            "threads": torch.get_num_threads(), "cpu": cpu, "cpu_native_bf16": native,
            "tcmalloc_preloaded": "tcmalloc" in os.environ.get("LD_PRELOAD", "")}
@@ -265,10 +264,10 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         ours = self.name == "ours"
         keep = tgt_out.ne(PAD_ID)  # (B,T) real target tokens
-        with attention_path(self.naive), precision_ctx(self.device, self.precision):
+        with attention_path(self.naive), autocast(self.device, self.precision):
             logits = self.forward(src, tgt_in, keep=keep) if ours else self.forward(src, tgt_in)  # (N,V) / (B,T,V)
         if ours:  # the project's training step: logits of real tokens only, closed-form loss gradient
-            loss, _ = tt.label_smoothed_nll(logits, tgt_out[keep], 0.1, PAD_ID)
+            loss, _ = label_smoothed_nll(logits, tgt_out[keep], 0.1, PAD_ID)
         else:  # stock PyTorch: log_softmax + NLL under autograd
             loss = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD_ID,
                                    label_smoothing=0.1, reduction="sum")
@@ -308,7 +307,7 @@ def bench_training(args, device, peaks: dict) -> dict:
         for b in batches[:1]:
             tr.step(b)
     # Emulated bf16 (a CPU without AMX/AVX512-BF16) is ~7x slower than fp32: one step per timed run is enough.
-    emulated = device.type == "cpu" and not cpu_info()[1]
+    emulated = device.type == "cpu" and not native_bf16(device)
     steps = {p: 1 if p == "bf16" and emulated else args.steps for p in args.precisions}
     for r in range(args.repeats):
         for tr in trainers:
@@ -353,7 +352,7 @@ def multi30k_source(args) -> tuple[list[str], Path | None]:
     folder = Path(folder)
     for name in (f"test_2016_flickr.{args.src_lang}", f"test_2016_flickr.{args.src_lang}.gz"):
         if (folder / name).is_file():
-            return dp.read_lines(folder / name), folder
+            return corpora.read_lines(folder / name), folder
     raise UserError(f"no test_2016_flickr.{args.src_lang}[.gz] in {folder}: point --data-dir at the Multi30k files")
 
 
@@ -379,7 +378,7 @@ def decode_rate(model, tokenizer, texts: list[str], use_cache: bool, device, arg
     """(sentences/s, mean output tokens, hypotheses) of one beam-4 pass over texts."""
     sync(device)
     start = time.perf_counter()
-    found = translate.search_texts(model, tokenizer, texts, beam=args.beam, len_penalty=0.6, max_len_a=1.0,
+    found = search_texts(model, tokenizer, texts, beam=args.beam, len_penalty=0.6, max_len_a=1.0,
                                    max_len_b=args.max_len_b, use_cache=use_cache, device=device,
                                    precision=args.decode_precision)
     sync(device)
@@ -393,7 +392,7 @@ def bench_decoding(args, device) -> tuple[dict, dict]:
     texts, raw_dir = multi30k_source(args)
     trained = None
     if args.checkpoint:
-        model, tokenizer, run_cfg = translate.load_checkpoint(args.checkpoint, device)
+        model, tokenizer, run_cfg = load_checkpoint(args.checkpoint, device)
         trained = model.eval()
         base = run_cfg.model
         if not texts:  # no Multi30k at hand: the checkpoint decodes random ids
@@ -498,7 +497,7 @@ def report(results: dict) -> str:
         tr = results["training"]
         lines += ["", f"training step (fwd+bwd+Adam, label smoothing), batch {tr['batch_size']} sentences, "
                   f"median of {len(next(iter(tr['runs'].values()))['runs_tokens_per_s'])} runs of N steps; loss: "
-                  "ours logits at real tokens only + train_transformer.label_smoothed_nll, naive and torch logits "
+                  "ours logits at real tokens only + loss.label_smoothed_nll, naive and torch logits "
                   "at every position + F.cross_entropy",
                   f"{'config':<14} {'params':>10} {'N':>3} {'tgt tok/s':>10} {'TFLOP/s':>8} {'MFU':>7}"]
         for name, r in tr["runs"].items():
@@ -555,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "variants); see the module docstring for the definitions.")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     p.add_argument("--out", default="bench/results.json", help="JSON results file")
     p.add_argument("--quick", action="store_true", help="fewer steps and 50 sentences (a minute or two on a CPU)")
     p.add_argument("--tiny", action="store_true", help="toy dims and counts: a smoke test in seconds")
@@ -563,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=32, help="longest synthetic training sentence")
     p.add_argument("--steps", type=int, help="training steps per timed run (default 4; quick 2)")
     p.add_argument("--repeats", type=int, help="timed runs per configuration, median reported (default 3)")
-    p.add_argument("--checkpoint", metavar="RUN_DIR", help="decode with this trained model (translate.load_checkpoint)")
+    p.add_argument("--checkpoint", metavar="RUN_DIR", help="decode with this trained model (a run dir)")
     p.add_argument("--data-dir", help="Multi30k raw folder (default: $MULTI30K_DIR; 'none': random sentences)")
     p.add_argument("--work-dir", help="where the BPE tokenizer is prepared (default: a temp dir)")
     p.add_argument("--src-lang", default="en")
@@ -610,7 +610,7 @@ def main(argv) -> int:
     fill_defaults(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = translate.resolve_device(args.device)
+    device = resolve_device(args.device, "--device")
     results = {"env": environment(device), "settings": {k: v for k, v in vars(args).items()}}
     print(report({"env": results["env"], "matmul_peak_tflops": {}}).split("\n")[0], file=sys.stderr, flush=True)
     slow_bf16 = device.type == "cpu" and not results["env"]["cpu_native_bf16"]  # emulated: seconds per matmul

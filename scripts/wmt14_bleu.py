@@ -18,7 +18,7 @@ from pathlib import Path
 import sacrebleu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from translate import compound_split_bleu, split_compounds  # noqa: E402, F401
+from scoring import compound_split_bleu  # noqa: E402
 
 
 def sacrebleu_with_signature(hyps: list[str], refs: list[str]) -> tuple[float, str]:

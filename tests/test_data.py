@@ -23,8 +23,10 @@ from conftest import (
     write_corpus,
 )
 
+import corpora
 import data_preparation as dp
-from config import DataConfig, UserError
+from config import DataConfig
+from runtime import UserError
 
 MULTI30K_SIZES = {"train": 29000, "val": 1014, "test_2016_flickr": 1000, "test_2017_flickr": 1000,
                   "test_2017_mscoco": 461}
@@ -296,15 +298,15 @@ class FakeResponse(io.BytesIO):
 
 
 def test_download_checks_sha256_and_leaves_no_partial_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(dp, "RETRY_DELAYS", (0.0, 0.0))
+    monkeypatch.setattr(corpora, "RETRY_DELAYS", (0.0, 0.0))
     source = tmp_path / "mirror" / "val.en.gz"
     source.parent.mkdir()
     source.write_bytes(gzip.compress(b"A dog.\n"))
     dest = tmp_path / "raw" / "val.en.gz"
-    dp.download(source.as_uri(), dest, hashlib.sha256(source.read_bytes()).hexdigest())
+    corpora.download(source.as_uri(), dest, hashlib.sha256(source.read_bytes()).hexdigest())
     assert dest.read_bytes() == source.read_bytes()
     with pytest.raises(ValueError, match="sha256 mismatch"):
-        dp.download(source.as_uri(), tmp_path / "raw" / "other.gz", "0" * 64)
+        corpora.download(source.as_uri(), tmp_path / "raw" / "other.gz", "0" * 64)
     assert list((tmp_path / "raw").iterdir()) == [dest]
 
 
@@ -318,27 +320,27 @@ def test_multi30k_download_failure_is_one_clear_error(tmp_path, monkeypatch, fai
             raise urllib.error.URLError(OSError("Temporary failure in name resolution"))
         return FakeResponse(b"\x1f\x8b")  # the first bytes of a gzip file, then the connection drops
 
-    monkeypatch.setattr(dp.urllib.request, "urlopen", urlopen)
-    monkeypatch.setattr(dp, "RETRY_DELAYS", (0.0, 0.0))
+    monkeypatch.setattr(corpora.urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(corpora, "RETRY_DELAYS", (0.0, 0.0))
     monkeypatch.delenv("NMT_DOWNLOAD_URL_BASE", raising=False)
     monkeypatch.delenv("MULTI30K_DIR", raising=False)  # no local copy to fall back on
     with pytest.raises(UserError) as error:
         dp.prepare(DataConfig(raw_dir=str(tmp_path / "raw"), prepared_dir=str(tmp_path / "p")))
     message = str(error.value)
-    assert f"{dp.MULTI30K_URL}/train.en.gz" in message and "train.en.gz is not in data.raw_dir=" in message
+    assert f"{corpora.MULTI30K_URL}/train.en.gz" in message and "train.en.gz is not in data.raw_dir=" in message
     assert "\n" not in message and ("sha256" in message) == (failure == "truncated")
     assert len(calls) == 3 and list((tmp_path / "raw").iterdir()) == []  # retried; nothing partial kept
 
 
 @pytest.mark.realdata
 def test_multi30k_pinned_checksums_and_mirror_download(multi30k, tmp_path, monkeypatch):
-    checked = [name for name in dp.MULTI30K_SHA256 if (multi30k / name).is_file()]
+    checked = [name for name in corpora.MULTI30K_SHA256 if (multi30k / name).is_file()]
     assert checked, f"no Multi30k .gz files in {multi30k}"
     for name in checked:
-        assert hashlib.sha256((multi30k / name).read_bytes()).hexdigest() == dp.MULTI30K_SHA256[name], name
+        assert hashlib.sha256((multi30k / name).read_bytes()).hexdigest() == corpora.MULTI30K_SHA256[name], name
     monkeypatch.setenv("NMT_DOWNLOAD_URL_BASE", multi30k.as_uri())
     monkeypatch.delenv("MULTI30K_DIR", raising=False)  # make it download from the mirror
-    path = dp.multi30k_files(DataConfig(raw_dir=str(tmp_path), test_splits=[]))["val"]["de"]
+    path = corpora.multi30k_files(DataConfig(raw_dir=str(tmp_path), test_splits=[]))["val"]["de"]
     assert path == tmp_path / "val.de.gz" and path.read_bytes() == (multi30k / "val.de.gz").read_bytes()
 
 

@@ -1,7 +1,6 @@
 """Tests of transformer_model.py: the paper's equations, the two attention paths, the cache, the variants."""
 
 import math
-import os
 from dataclasses import asdict
 
 import pytest
@@ -120,13 +119,13 @@ def test_fast_path_equals_explicit_path_model(variant, norm_first):
     src, tgt = tokens(2, 6, SRC_V), tokens(2, 5, TGT_V, seed=2)
     src[1, 3:] = 0
     fast = model(src, tgt)
-    explicit, weights = model(src, tgt, need_weights=True)
-    assert close(fast, explicit)
-    assert [w.shape for w in weights["enc_self"]] == [(2, 4, 6, 6)] * 2
-    assert [w.shape for w in weights["dec_self"]] == [(2, 4, 5, 5)] * 2
-    assert [w.shape for w in weights["cross"]] == [(2, 4, 5, 6)] * 2
-    assert (weights["cross"][0][1, :, :, 3:] == 0).all()  # padded source keys get no attention
-    assert (weights["dec_self"][0].triu(diagonal=1) == 0).all()  # no attention to the future
+    result = model.forward_with_attention(src, tgt)
+    assert close(fast, result.logits)
+    assert [w.shape for w in result.enc_self] == [(2, 4, 6, 6)] * 2
+    assert [w.shape for w in result.dec_self] == [(2, 4, 5, 5)] * 2
+    assert [w.shape for w in result.cross] == [(2, 4, 5, 6)] * 2
+    assert (result.cross[0][1, :, :, 3:] == 0).all()  # padded source keys get no attention
+    assert (result.dec_self[0].triu(diagonal=1) == 0).all()  # no attention to the future
 
 
 def test_matches_torch_multihead_attention():
@@ -190,7 +189,7 @@ def test_appended_padding_changes_nothing(variant):
     pad_tgt = torch.cat([tgt, torch.zeros(2, 4, dtype=torch.long)], dim=1)
     assert close(model(pad_src, tgt), logits)
     assert close(model(src, pad_tgt)[:, :5], logits)
-    assert close(model(pad_src, pad_tgt, need_weights=True)[0][:, :5], logits)
+    assert close(model.forward_with_attention(pad_src, pad_tgt).logits[:, :5], logits)
     short = model(src[1:, :4], tgt[1:, :3])  # a shorter sentence alone vs padded inside a batch
     src[1, 4:], tgt[1, 3:] = 0, 0
     assert close(model(src, tgt)[1:, :3], short)
@@ -327,9 +326,8 @@ def test_all_padding_source_row_gives_no_nan(variant):
     model = tiny_model(variant, dropout=0.1).train()
     src, tgt = tokens(2, 5, SRC_V), tokens(2, 4, TGT_V, seed=2)
     src[1] = 0
-    for need_weights in (False, True):
-        out = model(src, tgt, need_weights=need_weights)
-        logits = out[0] if need_weights else out
+    for explicit in (False, True):
+        logits = model.forward_with_attention(src, tgt).logits if explicit else model(src, tgt)
         assert torch.isfinite(logits).all()
         F.cross_entropy(logits.flatten(0, 1), tgt.flatten()).backward()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -379,7 +377,7 @@ def test_autocast_bf16_forward_backward(variant):
         logits = model(src, tgt)
         assert logits.dtype == torch.bfloat16
         loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten())
-        weighted, _ = model(src, tgt, need_weights=True)
+        weighted = model.forward_with_attention(src, tgt).logits
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(weighted).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -393,7 +391,6 @@ def test_autocast_bf16_forward_backward(variant):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("NMT_SLOW_TESTS"), reason="torch.compile takes ~a minute on CPU")
 def test_torch_compile_matches_eager():
     model = tiny_model("gqa")
     src, tgt = tokens(2, 6, SRC_V), tokens(2, 5, TGT_V, seed=2)

@@ -26,10 +26,12 @@ import torch
 import yaml
 from conftest import FIXTURES, ROOT, fixture_lines
 
+import checkpoint
 import data_preparation as dp
+import decoding
 import train_transformer as tt
 import translate as tr
-from config import UserError, cli_main
+from runtime import UserError, cli_main
 
 ENV = {**os.environ, "NMT_DEBUG": "0", "NMT_NO_TCMALLOC": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 ENV.pop("MULTI30K_DIR", None)
@@ -560,7 +562,7 @@ SAVE_FAILURES = [  # (what fails, with what, expected words)
 @pytest.mark.parametrize("what, code, message", SAVE_FAILURES, ids=[w for w, _, _ in SAVE_FAILURES])
 def test_failed_save_keeps_the_previous_checkpoint(what, code, message, tmp_path, monkeypatch):
     path = tmp_path / "checkpoint_last.pt"
-    tt.atomic_save({"model": {"w": torch.ones(3)}, "step": 1}, path)
+    checkpoint.save_checkpoint({"model": {"w": torch.ones(3)}, "step": 1}, path)
     before = snapshot(tmp_path)
     if what == "torch.save":
         monkeypatch.setattr(torch, "save", fail_with(code))
@@ -578,13 +580,13 @@ def test_failed_save_keeps_the_previous_checkpoint(what, code, message, tmp_path
     state = {"model": {"w": torch.zeros(3)}, "step": 2}
     if what == "interrupt":
         with pytest.raises(KeyboardInterrupt):
-            tt.atomic_save(state, path)
+            checkpoint.save_checkpoint(state, path)
     else:
         with pytest.raises(UserError, match=f"could not write .*checkpoint_last.pt: {message}.*previous"):
-            tt.atomic_save(state, path)
+            checkpoint.save_checkpoint(state, path)
     monkeypatch.undo()
     assert snapshot(tmp_path) == before  # same file, same bytes, no temporary file left
-    assert tt.load_state(path)["step"] == 1
+    assert checkpoint.read_checkpoint(path)["step"] == 1
 
 
 def test_os_errors_become_one_line(capsys):
@@ -613,10 +615,32 @@ def test_nan_loss_stops_training_and_keeps_the_last_checkpoint(trained, run_copy
     assert f"checkpoint_last.pt (step {MAX_STEPS})" in err
     assert err.count("update skipped") == 3
     assert snapshot(*run_copy.glob("checkpoint_*.pt")) == before
-    assert tt.load_state(run_copy / "checkpoint_last.pt")["step"] == MAX_STEPS
+    assert checkpoint.read_checkpoint(run_copy / "checkpoint_last.pt")["step"] == MAX_STEPS
 
 
 # ---------------------------------------------------------------- 8. killed at random moments, resumed
+
+
+# Runs train_transformer.py with torch.save wrapped: its N-th call writes half the bytes, then SIGKILLs the process,
+# the worst moment for a power cut. The wrapper lives here, not in the shipped code.
+DIE_IN_SAVE = """
+import io, os, runpy, signal, sys
+import torch
+die_at, calls, real_save = int(sys.argv.pop(1)), [0], torch.save
+def dying_save(obj, f, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] != die_at:
+        return real_save(obj, f, *args, **kwargs)
+    buf = io.BytesIO()
+    real_save(obj, buf, *args, **kwargs)
+    f.write(buf.getvalue()[: buf.tell() // 2])
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = dying_save
+sys.argv[0] = sys.argv.pop(1)
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def wait_for_new_save(proc, last: Path, after_ns: int, timeout: float = 120) -> bool:
@@ -633,21 +657,23 @@ def wait_for_new_save(proc, last: Path, after_ns: int, timeout: float = 120) -> 
 
 @pytest.mark.slow
 def test_kill_at_random_moments_and_resume(trained, tmp_path):
-    """SIGKILL in the middle of a checkpoint write (test hook), SIGKILL/SIGTERM/SIGINT at random moments with a
+    """SIGKILL in the middle of a checkpoint write (DIE_IN_SAVE), SIGKILL/SIGTERM/SIGINT at random moments with a
     checkpoint every step: each time checkpoint_last.pt loads, the next start resumes from its step, and the
     run ends with the same weights as the uninterrupted one."""
     rng = random.Random(1234)
     run, last = tmp_path / "run", tmp_path / "run" / "checkpoint_last.pt"
     plan = [("in_save", 4), ("SIGKILL", None), ("SIGTERM", None), ("in_save", 2), ("SIGINT", None), ("SIGKILL", None)]
     kills, resumes, expected_step = 0, 0, None
+    wrapper = tmp_path / "die_in_save.py"
+    wrapper.write_text(DIE_IN_SAVE)
     for i, (how, arg) in enumerate(plan + [("finish", None)]):
         extra = ["train.save_every=1"] + (["--resume"] if i else [])
-        env = {"NMT_TEST_DIE_IN_SAVE": str(arg)} if how == "in_save" else {}
+        script = [str(wrapper), str(arg)] if how == "in_save" else []
         log = tmp_path / f"stderr{i}.txt"
         mtime = last.stat().st_mtime_ns if last.exists() else 0
         with open(log, "w") as err_file:
-            proc = subprocess.Popen([sys.executable, str(ROOT / "train_transformer.py"),
-                                     *train_args(run, trained[1], *extra)], cwd=ROOT, env={**ENV, **env},
+            proc = subprocess.Popen([sys.executable, *script, str(ROOT / "train_transformer.py"),
+                                     *train_args(run, trained[1], *extra)], cwd=ROOT, env=ENV,
                                     stdout=subprocess.DEVNULL, stderr=err_file)
             try:
                 if how not in ("in_save", "finish") and wait_for_new_save(proc, last, mtime):
@@ -666,16 +692,16 @@ def test_kill_at_random_moments_and_resume(trained, tmp_path):
         kills += 1
         assert "Traceback" not in err, err[-2000:]
         assert status == {"SIGTERM": 143, "SIGINT": 130}.get(how, -signal.SIGKILL), (how, status, err[-2000:])
-        expected_step = tt.load_state(last)["step"]  # complete and loadable after every kill
+        expected_step = checkpoint.read_checkpoint(last)["step"]  # complete and loadable after every kill
         if how == "in_save":
-            assert list(run.glob("checkpoint_*.pt.tmp*")), "the hook did not kill the process inside a save"
+            assert list(run.glob("checkpoint_*.pt.tmp*")), "DIE_IN_SAVE did not kill the process inside a save"
         if how in ("SIGTERM", "SIGINT"):
             assert f"saved checkpoint_last.pt at step {expected_step}" in err, err[-2000:]
         print(f"kill {kills}: {how} -> exit {status}, checkpoint_last.pt complete at step {expected_step}")
     assert kills >= 5 and resumes == kills, (kills, resumes)
-    final, reference = tt.load_state(last), tt.load_state(trained[0] / "checkpoint_last.pt")
+    final, reference = checkpoint.read_checkpoint(last), checkpoint.read_checkpoint(trained[0] / "checkpoint_last.pt")
     assert final["step"] == MAX_STEPS and not list(run.glob("*.tmp*"))
     for k, v in reference["model"].items():
         torch.testing.assert_close(final["model"][k], v, rtol=0, atol=0, msg=k)
-    model, tokenizer, _ = tr.load_checkpoint(run)
-    assert len(tr.translate_texts(model, tokenizer, ["A dog runs.", ""], beam=1, max_len_b=5)) == 2
+    model, tokenizer, _ = checkpoint.load_checkpoint(run)
+    assert len(decoding.translate_texts(model, tokenizer, ["A dog runs.", ""], beam=1, max_len_b=5)) == 2

@@ -12,8 +12,11 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from config import UserError, load_config
-from train_transformer import average_checkpoints, cooldown_factor, label_smoothed_nll, learning_rate, load_state
+from checkpoint import average_checkpoints, read_checkpoint
+from config import load_config
+from loss import label_smoothed_nll
+from runtime import UserError
+from train_transformer import cooldown_factor, learning_rate
 from transformer_model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,8 +192,8 @@ def test_resume_equals_uninterrupted(tmp_path):
     run_train(tiny_args(tmp_path / "a", *common, "train.max_steps=24"))
     run_train(tiny_args(tmp_path / "b", *common, "train.max_steps=11"))
     run_train(tiny_args(tmp_path / "b", *common, "train.max_steps=24", "train.resume=true"))
-    a = load_state(tmp_path / "a" / "run" / "checkpoint_last.pt")
-    b = load_state(tmp_path / "b" / "run" / "checkpoint_last.pt")
+    a = read_checkpoint(tmp_path / "a" / "run" / "checkpoint_last.pt")
+    b = read_checkpoint(tmp_path / "b" / "run" / "checkpoint_last.pt")
     assert a["step"] == b["step"] == 24
     assert (a["epoch"], a["batch_in_epoch"]) == (b["epoch"], b["batch_in_epoch"])
     for k in a["model"]:
@@ -215,8 +218,8 @@ def test_ddp_two_processes_equal_one_with_update_freq(tmp_path):
                            "train_transformer.py", *tiny_args(tmp_path / "two", *common)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one = load_state(tmp_path / "one" / "run" / "checkpoint_last.pt")["model"]
-    two = load_state(tmp_path / "two" / "run" / "checkpoint_last.pt")["model"]
+    one = read_checkpoint(tmp_path / "one" / "run" / "checkpoint_last.pt")["model"]
+    two = read_checkpoint(tmp_path / "two" / "run" / "checkpoint_last.pt")["model"]
     for k in one:
         torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-5, msg=k)
 

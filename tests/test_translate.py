@@ -18,9 +18,13 @@ import torch
 from conftest import FIXTURES, ROOT, fixture_data
 from torch import nn
 
+import checkpoint
 import data_preparation as dp
+import decoding
+import scoring
 import translate as tr
-from config import DataConfig, cli_main, config_from_dict, config_to_dict, save_config
+from config import DataConfig, config_from_dict, config_to_dict, save_config
+from runtime import UserError, cli_main
 from transformer_model import ModelConfig, Transformer
 
 PAD, BOS, EOS, A, B = 0, 2, 3, 4, 5  # stub vocabulary: pad, unk, bos, eos, A, B
@@ -97,27 +101,27 @@ NO_END = {None: {A: 0.6, B: 0.3, EOS: 0.1}}
 
 
 def stub_src(*rows):
-    return tr.pad_batch([list(r) for r in rows])
+    return decoding.pad_batch([list(r) for r in rows])
 
 
 def test_stub_best_hypothesis_is_not_the_greedy_one():
     model = StubModel({4: NOT_GREEDY})
     src = stub_src([4, EOS])
-    assert tr.greedy_search(model, src, 1.0, 10) == [[A]]
-    (hyps,) = tr.beam_search(model, src, beam=2, len_penalty=0.0, max_len_a=1.0, max_len_b=10, nbest=2)
+    assert decoding.greedy_search(model, src, 1.0, 10) == [[A]]
+    (hyps,) = decoding.beam_search(model, src, beam=2, len_penalty=0.0, max_len_a=1.0, max_len_b=10, nbest=2)
     assert [h[0] for h in hyps] == [[B], [A]]  # distinct: only beam 0 is expanded at the first step
     assert hyps[0][1] == pytest.approx(math.log(0.4 * 0.9), abs=1e-6)
     assert hyps[1][1] == pytest.approx(math.log(0.6 * 0.4), abs=1e-6)
-    (one,) = tr.beam_search(model, src, beam=1, len_penalty=0.0, max_len_a=1.0, max_len_b=10)
+    (one,) = decoding.beam_search(model, src, beam=1, len_penalty=0.0, max_len_a=1.0, max_len_b=10)
     assert one == [([A], pytest.approx(math.log(0.24), abs=1e-6))]  # beam 1 is greedy
 
 
 @pytest.mark.parametrize("alpha, winner", [(0.0, [A]), (1.0, [B, A])])
 def test_stub_length_penalty_changes_the_winner(alpha, winner):
     model = StubModel({5: LENGTHS})
-    (hyps,) = tr.beam_search(model, stub_src([5, EOS]), beam=2, len_penalty=alpha, max_len_a=1.0,
+    (hyps,) = decoding.beam_search(model, stub_src([5, EOS]), beam=2, len_penalty=alpha, max_len_a=1.0,
                              max_len_b=10, nbest=2)
-    lp = tr.length_penalty
+    lp = decoding.length_penalty
     expected = {(A,): math.log(0.55 * 0.5) / lp(2, alpha), (B, A): math.log(0.45 * 0.9 * 0.6) / lp(3, alpha)}
     assert hyps[0][0] == winner
     assert {tuple(t): s for t, s in hyps} == pytest.approx(expected, abs=1e-6)
@@ -127,27 +131,27 @@ def test_stub_length_penalty_changes_the_winner(alpha, winner):
 def test_stub_stops_once_beam_hypotheses_are_finished():
     """fairseq's rule: done when `beam` hypotheses have ended, although beams "B A A"... are still alive."""
     model = StubModel({5: LENGTHS})
-    tr.beam_search(model, stub_src([5, EOS]), beam=2, len_penalty=1.0, max_len_a=1.0, max_len_b=10)
+    decoding.beam_search(model, stub_src([5, EOS]), beam=2, len_penalty=1.0, max_len_a=1.0, max_len_b=10)
     assert model.calls == 3  # steps 0, 1, 2: "A" ends at step 1 and "B A" at step 2
 
 
 def test_stub_nbest_is_sorted_and_prefix_of_larger_nbest():
     model = StubModel({5: LENGTHS})
-    (three,) = tr.beam_search(model, stub_src([5, EOS]), 3, 0.6, 1.0, 10, nbest=3)
-    (two,) = tr.beam_search(model, stub_src([5, EOS]), 3, 0.6, 1.0, 10, nbest=2)
+    (three,) = decoding.beam_search(model, stub_src([5, EOS]), 3, 0.6, 1.0, 10, nbest=3)
+    (two,) = decoding.beam_search(model, stub_src([5, EOS]), 3, 0.6, 1.0, 10, nbest=2)
     scores = [s for _, s in three]
     assert len(three) == 3 and scores == sorted(scores, reverse=True)
     assert len({tuple(t) for t, _ in three}) == 3
     assert two == three[:2]
     with pytest.raises(ValueError):
-        tr.beam_search(model, stub_src([5, EOS]), 2, 0.6, 1.0, 10, nbest=3)
+        decoding.beam_search(model, stub_src([5, EOS]), 2, 0.6, 1.0, 10, nbest=3)
 
 
 def test_stub_eos_forced_at_max_length():
     model = StubModel({6: NO_END})
     src = stub_src([6, EOS])  # 2 real tokens: max length int(1.5 * 2 + 2) = 5
-    assert tr.greedy_search(model, src, 1.5, 2) == [[A] * 5]
-    (hyps,) = tr.beam_search(model, src, 2, 0.0, 1.5, 2)
+    assert decoding.greedy_search(model, src, 1.5, 2) == [[A] * 5]
+    (hyps,) = decoding.beam_search(model, src, 2, 0.0, 1.5, 2)
     assert hyps == [([A] * 5, pytest.approx(5 * math.log(0.6) + math.log(0.1), abs=1e-5))]
 
 
@@ -157,12 +161,12 @@ def test_stub_batch_with_sentences_finishing_at_different_steps(use_cache):
     tables = {4: NOT_GREEDY, 5: LENGTHS, 6: NO_END}
     rows = [[6, 4, EOS], [4, EOS], [5, EOS], [4, 5, 6, EOS]]  # padded to different lengths
     model = StubModel(tables)
-    batched = tr.beam_search(model, stub_src(*rows), 2, 1.0, 1.0, 2, nbest=2, use_cache=use_cache)
-    alone = [tr.beam_search(model, stub_src(r), 2, 1.0, 1.0, 2, nbest=2, use_cache=use_cache)[0]
+    batched = decoding.beam_search(model, stub_src(*rows), 2, 1.0, 1.0, 2, nbest=2, use_cache=use_cache)
+    alone = [decoding.beam_search(model, stub_src(r), 2, 1.0, 1.0, 2, nbest=2, use_cache=use_cache)[0]
              for r in rows]
     assert batched == alone
     assert [h[0][0] for h in batched] == [[A] * 5, [B], [B, A], [B]]
-    greedy = tr.greedy_search(model, stub_src(*rows), 1.0, 2, use_cache=use_cache)
+    greedy = decoding.greedy_search(model, stub_src(*rows), 1.0, 2, use_cache=use_cache)
     assert greedy == [[A] * 5, [A], [A], [A]]
 
 
@@ -193,11 +197,11 @@ def model():
 
 
 def test_real_beam_one_equals_greedy_and_outputs_are_not_trivial(model):
-    src = tr.pad_batch(random_sources())
+    src = decoding.pad_batch(random_sources())
     with torch.inference_mode():
-        greedy = tr.greedy_search(model, src, 1.0, 5)
-        beam1 = tr.beam_search(model, src, 1, 0.6, 1.0, 5)
-        beam4 = tr.beam_search(model, src, 4, 0.6, 1.0, 5)
+        greedy = decoding.greedy_search(model, src, 1.0, 5)
+        beam1 = decoding.beam_search(model, src, 1, 0.6, 1.0, 5)
+        beam4 = decoding.beam_search(model, src, 4, 0.6, 1.0, 5)
     assert [h[0][0] for h in beam1] == greedy
     lengths = {len(g) for g in greedy}
     assert len(lengths) > 2  # the fixture really ends sentences at different steps
@@ -207,11 +211,11 @@ def test_real_beam_one_equals_greedy_and_outputs_are_not_trivial(model):
 @pytest.mark.parametrize("attention", ["mha", "gqa", "mla"])
 def test_real_cached_equals_uncached(attention):
     model = tiny_model(attention)
-    src = tr.pad_batch(random_sources())
+    src = decoding.pad_batch(random_sources())
     with torch.inference_mode():
-        assert tr.greedy_search(model, src, 1.0, 5) == tr.greedy_search(model, src, 1.0, 5, use_cache=False)
-        cached = tr.beam_search(model, src, 4, 0.6, 1.0, 5, nbest=4)
-        uncached = tr.beam_search(model, src, 4, 0.6, 1.0, 5, nbest=4, use_cache=False)
+        assert decoding.greedy_search(model, src, 1.0, 5) == decoding.greedy_search(model, src, 1.0, 5, use_cache=False)
+        cached = decoding.beam_search(model, src, 4, 0.6, 1.0, 5, nbest=4)
+        uncached = decoding.beam_search(model, src, 4, 0.6, 1.0, 5, nbest=4, use_cache=False)
     assert [[t for t, _ in h] for h in cached] == [[t for t, _ in h] for h in uncached]
     for h, u in zip(cached, uncached, strict=True):
         assert [s for _, s in h] == pytest.approx([s for _, s in u], abs=1e-4)
@@ -229,12 +233,12 @@ def test_real_greedy_equals_argmax_of_the_training_forward_pass(model):
                 if int(logits.argmax()) == EOS:
                     break
                 ys.append(int(logits.argmax()))
-            assert tr.greedy_search(model, torch.tensor([src]), a, b) == [ys[1:]]
+            assert decoding.greedy_search(model, torch.tensor([src]), a, b) == [ys[1:]]
 
 
 def test_real_bf16_autocast_decodes(model):
     lines = ["a b c", "d e f g"]
-    out = tr.search_texts(model, ToyTokenizer(), lines, beam=3, nbest=3, greedy_ok=False, precision="bf16",
+    out = decoding.search_texts(model, ToyTokenizer(), lines, beam=3, nbest=3, greedy_ok=False, precision="bf16",
                           max_len_b=5)
     assert len(out) == 2 and all(math.isfinite(s) for h in out for _, s in h)
 
@@ -242,10 +246,10 @@ def test_real_bf16_autocast_decodes(model):
 def test_real_batched_equals_one_by_one(model):
     sources = random_sources()
     with torch.inference_mode():
-        batched = tr.beam_search(model, tr.pad_batch(sources), 4, 0.6, 1.0, 5, nbest=2)
-        alone = [tr.beam_search(model, tr.pad_batch([s]), 4, 0.6, 1.0, 5, nbest=2)[0] for s in sources]
-        greedy = tr.greedy_search(model, tr.pad_batch(sources), 1.0, 5)
-        greedy_alone = [tr.greedy_search(model, tr.pad_batch([s]), 1.0, 5)[0] for s in sources]
+        batched = decoding.beam_search(model, decoding.pad_batch(sources), 4, 0.6, 1.0, 5, nbest=2)
+        alone = [decoding.beam_search(model, decoding.pad_batch([s]), 4, 0.6, 1.0, 5, nbest=2)[0] for s in sources]
+        greedy = decoding.greedy_search(model, decoding.pad_batch(sources), 1.0, 5)
+        greedy_alone = [decoding.greedy_search(model, decoding.pad_batch([s]), 1.0, 5)[0] for s in sources]
     assert greedy == greedy_alone
     assert [[t for t, _ in h] for h in batched] == [[t for t, _ in h] for h in alone]
     for h, u in zip(batched, alone, strict=True):
@@ -256,8 +260,8 @@ def test_real_output_length_bounded(model):
     sources = random_sources()
     a, b = 0.5, 2
     with torch.inference_mode():
-        greedy = tr.greedy_search(model, tr.pad_batch(sources), a, b)
-        beam = tr.beam_search(model, tr.pad_batch(sources), 4, 0.6, a, b, nbest=4)
+        greedy = decoding.greedy_search(model, decoding.pad_batch(sources), a, b)
+        beam = decoding.beam_search(model, decoding.pad_batch(sources), 4, 0.6, a, b, nbest=4)
     limits = [int(a * len(s) + b) for s in sources]
     assert all(len(g) <= n for g, n in zip(greedy, limits, strict=True))
     assert all(len(t) <= n for h, n in zip(beam, limits, strict=True) for t, _ in h)
@@ -283,14 +287,14 @@ def test_translate_texts_order_empty_lines_and_batches():
     model, tok = tiny_model(seed=4), ToyTokenizer()  # seed 4: different outputs for different lines
     lines = ["a b c", "", "   ", "d e", "a b c", "f g h i j k l", "\t", "m"]
     opts = dict(beam=4, max_len_b=5)
-    out = tr.translate_texts(model, tok, lines, batch_tokens=1000, **opts)
+    out = decoding.translate_texts(model, tok, lines, batch_tokens=1000, **opts)
     assert len(out) == len(lines)
     assert out[1] == out[2] == out[6] == ""
     assert out[0] == out[4]
     assert len(set(out)) > 3
-    assert out == tr.translate_texts(model, tok, lines, batch_tokens=6, **opts)  # one or two per batch
-    assert out == [tr.translate_texts(model, tok, [line], **opts)[0] for line in lines]
-    nbest = tr.translate_nbest(model, tok, lines, 3, **opts)
+    assert out == decoding.translate_texts(model, tok, lines, batch_tokens=6, **opts)  # one or two per batch
+    assert out == [decoding.translate_texts(model, tok, [line], **opts)[0] for line in lines]
+    nbest = decoding.translate_nbest(model, tok, lines, 3, **opts)
     assert [n[0][0] for n in nbest] == out and nbest[1] == [("", 0.0)]
     assert all(len(n) == 3 and [s for _, s in n] == sorted([s for _, s in n], reverse=True)
                for i, n in enumerate(nbest) if lines[i].strip())
@@ -300,32 +304,32 @@ def test_translate_texts_order_empty_lines_and_batches():
 def test_translate_texts_truncates_overlong_lines_with_a_warning(model, capsys):
     tok = ToyTokenizer()
     words = [f"x{i}" for i in range(300)]
-    out = tr.translate_texts(model, tok, [" ".join(words), "a b"], beam=2, max_src_len=16)
+    out = decoding.translate_texts(model, tok, [" ".join(words), "a b"], beam=2, max_src_len=16)
     assert "line 1 has 301 source tokens" in capsys.readouterr().err
-    assert out == tr.translate_texts(model, tok, [" ".join(words[:15]), "a b"], beam=2)
+    assert out == decoding.translate_texts(model, tok, [" ".join(words[:15]), "a b"], beam=2)
 
 
 def test_length_batches_cover_all_and_respect_the_budget():
     lengths = [5, 1, 9, 3, 3, 7, 2, 8, 4, 6]
-    batches = tr.length_batches(lengths, 12)
+    batches = decoding.length_batches(lengths, 12)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     assert all(len(b) * max(lengths[i] for i in b) <= 12 for b in batches)
-    assert tr.length_batches([20, 3], 12) == [[0], [1]]  # a line above the budget still gets its own batch
+    assert decoding.length_batches([20, 3], 12) == [[0], [1]]  # a line above the budget still gets its own batch
 
 
 def test_score_against_known_values():
-    same = tr.score(["Ein Hund läuft.", "Zwei Männer."], ["Ein Hund läuft.", "Zwei Männer."], "de")
+    same = scoring.score(["Ein Hund läuft.", "Zwei Männer."], ["Ein Hund läuft.", "Zwei Männer."], "de")
     assert same["bleu"] == pytest.approx(100.0) and same["chrf"] == pytest.approx(100.0)
     assert same["bleu_tok_lc"] == pytest.approx(100.0)
-    s = tr.score(["The cat sat on the mat."], ["the cat sat on a mat."], "en")
+    s = scoring.score(["The cat sat on the mat."], ["the cat sat on a mat."], "en")
     # Moses tokens, lowercased: precisions 6/7, 4/6, 2/5, 1/4, same length (no brevity penalty).
     assert s["bleu_tok_lc"] == pytest.approx(100 * (6 / 7 * 4 / 6 * 2 / 5 * 1 / 4) ** 0.25, abs=0.01)
     assert s["bleu"] < s["bleu_tok_lc"]  # cased: "The" does not match "the"
     assert s["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert "lc:yes" in s["bleu_tok_lc_signature"] or "case:lc" in s["bleu_tok_lc_signature"]
-    assert "BLEU (tokenized, lowercased)" in tr.format_scores(s)
-    with pytest.raises(tr.UserError, match="2 translations but 1 reference"):
-        tr.score(["a", "b"], ["a"], "en")
+    assert "BLEU (tokenized, lowercased)" in scoring.format_scores(s)
+    with pytest.raises(UserError, match="2 translations but 1 reference"):
+        scoring.score(["a", "b"], ["a"], "en")
 
 
 # ---------------------------------------------------------------- checkpoints and the command line
@@ -371,12 +375,12 @@ def run_main(capsys, *args):
 def test_load_checkpoint_prefers_avg_then_best_then_last(run_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
-    assert tr.find_checkpoint(run).name == "checkpoint_last.pt"
+    assert checkpoint.find_checkpoint(run).name == "checkpoint_last.pt"
     shutil.copy(run / "checkpoint_last.pt", run / "checkpoint_best.pt")
-    assert tr.find_checkpoint(run).name == "checkpoint_best.pt"
+    assert checkpoint.find_checkpoint(run).name == "checkpoint_best.pt"
     shutil.copy(run / "checkpoint_last.pt", run / "checkpoint_avg.pt")
-    assert tr.find_checkpoint(run).name == "checkpoint_avg.pt"
-    model, tokenizer, cfg = tr.load_checkpoint(run / "checkpoint_last.pt")
+    assert checkpoint.find_checkpoint(run).name == "checkpoint_avg.pt"
+    model, tokenizer, cfg = checkpoint.load_checkpoint(run / "checkpoint_last.pt")
     assert cfg.decode.beam == 3 and not model.training
     assert tokenizer.tgt_vocab_size == cfg.model.tgt_vocab_size
 
@@ -385,8 +389,8 @@ def test_cli_sentences_and_plot_attention(run_dir, tmp_path):
     png = tmp_path / "attn.png"
     proc = cli("--checkpoint", run_dir, "A man is riding a bike.", "--plot-attention", png)
     assert proc.returncode == 0, proc.stderr.decode()
-    model, tokenizer, _ = tr.load_checkpoint(run_dir)
-    expected = tr.translate_texts(model, tokenizer, ["A man is riding a bike."], beam=3, max_len_b=8)
+    model, tokenizer, _ = checkpoint.load_checkpoint(run_dir)
+    expected = decoding.translate_texts(model, tokenizer, ["A man is riding a bike."], beam=3, max_len_b=8)
     assert proc.stdout.decode("utf-8") == expected[0] + "\n"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
@@ -409,8 +413,8 @@ def test_cli_streams_stdin_line_by_line(run_dir):
     lines = (first + rest).decode("utf-8").split("\n")
     assert lines[-1] == "" and len(lines) == 6  # five input lines (the last without newline), five outputs
     assert lines[1] == lines[2] == "" and b"\r" not in first + rest
-    model, tokenizer, _ = tr.load_checkpoint(run_dir)
-    expected = tr.translate_texts(model, tokenizer, ["A man is riding a bike."], beam=3, max_len_b=8)
+    model, tokenizer, _ = checkpoint.load_checkpoint(run_dir)
+    expected = decoding.translate_texts(model, tokenizer, ["A man is riding a bike."], beam=3, max_len_b=8)
     assert lines[0] == expected[0]
 
 

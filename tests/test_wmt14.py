@@ -13,8 +13,11 @@ import pytest
 import torch
 from conftest import ROOT
 
+import corpora
 import data_preparation as dp
-from config import DataConfig, UserError, load_config
+import scoring
+from config import DataConfig, load_config
+from runtime import UserError
 from transformer_model import Transformer, count_parameters
 
 _spec = importlib.util.spec_from_file_location("make_wmt14_fixture", ROOT / "scripts" / "make_wmt14_fixture.py")
@@ -47,18 +50,18 @@ def wmt14_prepared(wmt14_raw, tmp_path_factory):
 def test_sgm_parsing_matches_sacrebleu_and_counts(tmp_path):
     sgm = tmp_path / "newstest2014-deen-ref.de.sgm"
     fixture_script.write_sgm(sgm, ["Ein  Haus .", "  Zwei\tHäuser &amp; mehr ", ""], "de", "ref")
-    assert dp.read_lines(sgm) == ["Ein Haus .", "Zwei Häuser &amp; mehr", ""]
-    assert dp.count_lines(sgm) == 3 and dp._wmt14_corpus(sgm) == "newstest2014"
-    assert dp._wmt14_corpus(tmp_path / "newstest2013.en") == "newstest2013"
+    assert corpora.read_lines(sgm) == ["Ein Haus .", "Zwei Häuser &amp; mehr", ""]
+    assert corpora.count_lines(sgm) == 3 and corpora.wmt14_corpus(sgm) == "newstest2014"
+    assert corpora.wmt14_corpus(tmp_path / "newstest2013.en") == "newstest2013"
     plain = tmp_path / "x.en"
     plain.write_bytes(b"a\r\nb\n\nc")  # no final newline, a CR: both as read_lines sees them
-    assert dp.count_lines(plain) == len(dp.read_lines(plain)) == 4 and dp.read_lines(plain)[0] == "a"
+    assert corpora.count_lines(plain) == len(corpora.read_lines(plain)) == 4 and corpora.read_lines(plain)[0] == "a"
 
 
 def test_wmt14_fixture_prepared_end_to_end(wmt14_raw, wmt14_prepared):
     meta = dp.load_meta(wmt14_prepared)
     splits = meta["splits"]
-    train_lines = sum(COUNTS[c] for c in dp.WMT14_TRAIN)
+    train_lines = sum(COUNTS[c] for c in corpora.WMT14_TRAIN)
     assert splits["train"]["lines"] == train_lines and splits["train"]["blank"] == 1
     assert splits["train"]["too_long"] == 1  # the 300-word commoncrawl line
     assert splits["train"]["pairs"] == train_lines - 2 - splits["train"]["bad_ratio"]
@@ -69,7 +72,7 @@ def test_wmt14_fixture_prepared_end_to_end(wmt14_raw, wmt14_prepared):
     assert inputs["newstest2014.de"]["path"].endswith("test-full/newstest2014-deen-ref.de.sgm")
     tok = dp.load_tokenizer(wmt14_prepared)
     refs = dp.read_raw(wmt14_prepared, "newstest2014", "de")
-    assert refs == dp.read_lines(wmt14_raw / "test-full/newstest2014-deen-ref.de.sgm") and len(refs) == 300
+    assert refs == corpora.read_lines(wmt14_raw / "test-full/newstest2014-deen-ref.de.sgm") and len(refs) == 300
     sources = dp.read_raw(wmt14_prepared, "newstest2014", "en")
     assert sources[0] == 'The &quot;big&quot; house'  # whitespace collapsed as sacreBLEU does
     test = dp.load_split(wmt14_prepared, "newstest2014")
@@ -78,7 +81,7 @@ def test_wmt14_fixture_prepared_end_to_end(wmt14_raw, wmt14_prepared):
         assert src.tolist() == tok.encode_src(sources[i]) and src[-1] == dp.EOS_ID
         assert tok.decode_tgt(tgt) == refs[i]  # exact round trip
     train = dp.load_split(wmt14_prepared, "train")
-    europarl = dp.read_lines(wmt14_raw / "training/europarl-v7.de-en.de")
+    europarl = corpora.read_lines(wmt14_raw / "training/europarl-v7.de-en.de")
     assert tok.decode_tgt(train.pair(0)[1]) == europarl[0]  # corpora in order, starting with Europarl
     assert len(train) == splits["train"]["pairs"] and int(train.tgt_lengths.sum()) == splits["train"]["tgt_tokens"]
 
@@ -86,7 +89,7 @@ def test_wmt14_fixture_prepared_end_to_end(wmt14_raw, wmt14_prepared):
 def test_two_encoding_processes_give_the_same_arrays(wmt14_raw, wmt14_prepared, tmp_path, monkeypatch):
     monkeypatch.setattr(dp, "ENCODE_CHUNK", 250)  # 12 chunks: several in flight in each worker
     cfg = wmt14_config(wmt14_raw, tmp_path)
-    sides = [dp._paths(p) for p in dp.wmt14_files(cfg)["train"].values()]
+    sides = [corpora.file_list(p) for p in corpora.wmt14_files(cfg)["train"].values()]
     arrays = {}
     for workers in (1, 2):
         folder = tmp_path / f"w{workers}"
@@ -115,25 +118,25 @@ def test_download_extracts_checks_and_rejects_a_bad_checksum(wmt14_raw, tmp_path
         info.size = len(evil)
         tar.addfile(info, io.BytesIO(evil))
     monkeypatch.setenv("NMT_WMT14_URL_BASE", (tmp_path / "mirror").as_uri())
-    monkeypatch.setattr(dp, "RETRY_DELAYS", (0.0, 0.0))
-    rel, _, _, members = dp.WMT14_ARCHIVES["training-parallel-nc-v9.tgz"]
+    monkeypatch.setattr(corpora, "RETRY_DELAYS", (0.0, 0.0))
+    rel, _, _, members = corpora.WMT14_ARCHIVES["training-parallel-nc-v9.tgz"]
     good = hashlib.sha256(archive.read_bytes()).hexdigest()
     raw = tmp_path / "raw"
-    monkeypatch.setitem(dp.WMT14_ARCHIVES, "training-parallel-nc-v9.tgz", (rel, "0" * 64, None, members))
+    monkeypatch.setitem(corpora.WMT14_ARCHIVES, "training-parallel-nc-v9.tgz", (rel, "0" * 64, None, members))
     with pytest.raises(UserError) as error:
-        dp._wmt14_fetch(raw, "training-parallel-nc-v9.tgz")
+        corpora._wmt14_fetch(raw, "training-parallel-nc-v9.tgz")
     assert "sha256 mismatch" in str(error.value) and "wmt14/training-parallel-nc-v9.tgz" in str(error.value)
     assert "\n" not in str(error.value) and list(raw.iterdir()) == []
-    monkeypatch.setitem(dp.WMT14_ARCHIVES, "training-parallel-nc-v9.tgz", (rel, good, None, members))
-    monkeypatch.setitem(dp.WMT14_LINES, "news-commentary-v9.de-en", 300)
-    dp._wmt14_fetch(raw, "training-parallel-nc-v9.tgz")
+    monkeypatch.setitem(corpora.WMT14_ARCHIVES, "training-parallel-nc-v9.tgz", (rel, good, None, members))
+    monkeypatch.setitem(corpora.WMT14_LINES, "news-commentary-v9.de-en", 300)
+    corpora._wmt14_fetch(raw, "training-parallel-nc-v9.tgz")
     assert sorted(p.name for p in raw.iterdir()) == ["news-commentary-v9.de-en.de", "news-commentary-v9.de-en.en"]
     assert (raw / "news-commentary-v9.de-en.de").read_bytes() == (
         wmt14_raw / "training/news-commentary-v9.de-en.de").read_bytes()
     assert not (tmp_path / "news-commentary-v9.de-en.de").exists()
-    monkeypatch.setitem(dp.WMT14_LINES, "news-commentary-v9.de-en", 201_288)  # the real size: not this archive
+    monkeypatch.setitem(corpora.WMT14_LINES, "news-commentary-v9.de-en", 201_288)  # the real size: not this archive
     with pytest.raises(UserError, match="has 300 lines, expected 201288"):
-        dp._wmt14_fetch(tmp_path / "raw2", "training-parallel-nc-v9.tgz")
+        corpora._wmt14_fetch(tmp_path / "raw2", "training-parallel-nc-v9.tgz")
     assert list((tmp_path / "raw2").iterdir()) == []
 
 
@@ -162,7 +165,7 @@ def test_compound_split_bleu_scores_hyphenated_compounds_by_parts():
     spec = importlib.util.spec_from_file_location("wmt14_bleu", ROOT / "scripts" / "wmt14_bleu.py")
     bleu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bleu)
-    assert bleu.split_compounds("Die Arbeits-Platz-Suche , 3-4") == \
+    assert scoring.split_compounds("Die Arbeits-Platz-Suche , 3-4") == \
         "Die Arbeits ##AT##-##AT## Platz ##AT##-##AT## Suche , 3 ##AT##-##AT## 4"
     refs = ["Die Arbeits-Platz-Suche in der Stadt ist schwer, sagte er."]
     hyps = ["Die Arbeits-Stellen-Suche in der Stadt ist schwer, sagte er."]
