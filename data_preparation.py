@@ -706,7 +706,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, e.g. data.vocab_size=16000")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before and after --force
     cfg = load_config(args.config, args.overrides)
     folder = prepare(cfg.data, force=args.force)
     train = load_split(folder, "train")

@@ -22,7 +22,13 @@ import torch
 
 
 class UserError(Exception):
-    """A mistake the user can fix (bad config, missing file...): reported as one line, without a traceback."""
+    """A mistake the user can fix (bad config, missing file...): reported as one line, without a traceback.
+
+    quiet: another process of the same torchrun job (rank 0) reports this error, so this one only exits."""
+
+    def __init__(self, message: str, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:
@@ -32,17 +38,20 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 
 
 def cli_main(main: Callable[[list[str]], object], argv: list[str] | None = None) -> object:
-    """Run ``main(argv)``; a UserError becomes ``error: ...`` on stderr and exit status 2.
+    """Run ``main(argv)``; a UserError becomes ``error: ...`` on stderr and exit status 2 (under torchrun a rank
+    other than 0 says ``error (rank N): ...``, or nothing when rank 0 reports the same error).
 
     ``--debug`` (declared by each script's parser) or NMT_DEBUG=1 also prints the traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("NMT_DEBUG") == "1"
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun: which process this is
     try:
         return main(argv)
     except UserError as e:
         if debug:
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        if not e.quiet:
+            print(f"error{f' (rank {rank})' * (rank > 0)}: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -302,7 +302,8 @@ class Trainer:
                      f"({self.bad_steps} in a row, {self.skipped_steps} in all)")
             if self.bad_steps >= t.max_bad_steps:
                 raise UserError(f"training diverged: {self.bad_steps} non-finite updates in a row after step "
-                                f"{self.step}; lower train.lr_factor or set train.clip_norm; {self.last_good()}")
+                                f"{self.step}; lower train.lr_factor or set train.clip_norm; {self.last_good()}",
+                                quiet=not self.master)  # every rank sees it (all-reduced): rank 0 says it
             return float("nan"), 0
         self.bad_steps = 0
         self.step += 1
@@ -362,7 +363,7 @@ class Trainer:
                 before = self.step
                 loss, ntok = self.train_step(group)
                 now = time.perf_counter()
-                self.add_train_time(now - t0)
+                self.sync_step(now - t0)
                 t0 = now
                 meter.tokens += ntok
                 out_of_time = t.max_minutes and self.train_seconds >= 60 * t.max_minutes
@@ -389,13 +390,18 @@ class Trainer:
             self.signals.in_loop = False
             meter.bar.close()  # before any message, so that an error starts its own line
 
-    def add_train_time(self, seconds: float) -> None:
-        """Count training time; under DDP rank 0's clock, so the cooldown lr and the stopping step agree."""
+    def sync_step(self, seconds: float) -> None:
+        """Count training time and, under DDP, agree on it and on stopping: every rank takes rank 0's clock (the
+        same cooldown lr, the same last step) and stops at this step if any rank received SIGINT/SIGTERM."""
         self.train_seconds += seconds
         if self.world > 1:
-            clock = torch.tensor(self.train_seconds, dtype=torch.float64, device=self.device)
-            dist.broadcast(clock, src=0)
-            self.train_seconds = float(clock)
+            # max over ranks of (rank 0's clock, 0, ...) is rank 0's clock; of the signal numbers, any one
+            state = torch.tensor([self.train_seconds if self.master else 0.0, self.signals.received or 0],
+                                 dtype=torch.float64, device=self.device)
+            dist.all_reduce(state, op=dist.ReduceOp.MAX)
+            self.train_seconds = float(state[0])
+            if state[1] and self.signals.received is None:
+                self.signals.received = int(state[1])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -408,9 +414,11 @@ def load_data(cfg: Config, world: int) -> dict:
     first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
     if world > 1 and not first_on_node:
         dist.barrier()
-    prepared = dp.prepare(cfg.data)
-    if world > 1 and first_on_node:
-        dist.barrier()
+    try:
+        prepared = dp.prepare(cfg.data)
+    finally:  # also when it failed: the others must not wait for a barrier that never comes
+        if world > 1 and first_on_node:
+            dist.barrier()
     tokenizer = dp.load_tokenizer(prepared)
     cfg.model.src_vocab_size = tokenizer.src_vocab_size
     cfg.model.tgt_vocab_size = tokenizer.tgt_vocab_size
@@ -431,7 +439,43 @@ def load_data(cfg: Config, world: int) -> dict:
 
 
 def build_trainer(cfg: Config, rank: int, world: int, device: torch.device) -> Trainer:
-    """Data, run dir, seeded model, sampler, optimizer, DDP/compile wrappers -> a Trainer (resumed if asked)."""
+    """Data, run dir, seeded model, sampler, optimizer -> a Trainer (resumed if asked), then DDP/compile.
+
+    Under DDP every rank first learns whether any rank failed to set up (agree_on_setup): a user error then ends
+    every process at once, reported once, instead of leaving the others in DDP's first collective."""
+    error, trainer = None, None
+    try:
+        trainer = build_pieces(cfg, rank, world, device)
+    except UserError as e:
+        error = e
+    agree_on_setup(error, world)
+    if world > 1:  # DDP's constructor broadcasts rank 0's weights: a collective, so only after the agreement
+        trainer.forward = torch.nn.parallel.DistributedDataParallel(
+            trainer.model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.train.compile:
+        trainer.forward = torch.compile(trainer.forward)
+    if rank == 0:
+        save_config(cfg, trainer.run_dir / "config.yaml")
+        trainer.tokenizer.save(trainer.run_dir / "tokenizer")
+    return trainer
+
+
+def agree_on_setup(error: UserError | None, world: int) -> None:
+    """Raise on every rank if any rank failed to set up; rank 0 reports the first failure, the others are quiet."""
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    messages: list[str | None] = [None] * world
+    dist.all_gather_object(messages, None if error is None else str(error))
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        r, message = failed[0]
+        raise UserError(message if r == 0 else f"rank {r}: {message}", quiet=dist.get_rank() != 0)
+
+
+def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Trainer:
+    """The Trainer of one process, its forward still the bare model (no collective in here)."""
     t = cfg.train
     data = load_data(cfg, world)
     run_dir = Path(t.out_dir)
@@ -446,17 +490,9 @@ def build_trainer(cfg: Config, rank: int, world: int, device: torch.device) -> T
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay)
     stream = dp.BatchStream(train, sampler, data["tokenizer"].pad_id, t.pad_multiple, t.max_epochs)
-    ddp = model
-    if world > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                        else None)
-    trainer = Trainer(cfg, model, torch.compile(ddp) if t.compile else ddp, optimizer, stream, data, rank, world,
-                      device)
+    trainer = Trainer(cfg, model, model, optimizer, stream, data, rank, world, device)
     if resuming:
         trainer.load_last()
-    if rank == 0:
-        save_config(cfg, run_dir / "config.yaml")
-        data["tokenizer"].save(run_dir / "tokenizer")
     return trainer
 
 
@@ -478,7 +514,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="replace the run in train.out_dir (= train.overwrite=true)")
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
     p.add_argument("overrides", nargs="*", help="section.key=value")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may come before and after --resume / --overwrite
     if not args.config and not args.average:
         p.error("--config is required (or --average RUN_DIR)")
     args.overrides += ["train.resume=true"] * args.resume + ["train.overwrite=true"] * args.overwrite
@@ -502,10 +538,16 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.average:
         return average_command(args)
-    cfg = load_config(args.config, args.overrides)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except UserError as e:  # every rank reads the same config: rank 0 says it
+        e.quiet = rank != 0
+        raise
     ensure_fast_allocator()
     rank, world, device = setup_distributed(cfg.train.device)
     cfg.train.precision = resolve_precision(cfg.train.precision, device)
+    trainer = None
     try:
         trainer = build_trainer(cfg, rank, world, device)
         m = cfg.model
@@ -514,12 +556,37 @@ def main(argv: list[str]) -> None:
                     f"{len(trainer.train_split)} | {world} process(es) on {device} | {cfg.train.precision} | "
                     f"run dir {trainer.run_dir}")
         trainer.train()
-        if trainer.master:
-            final_report(trainer.model, trainer.tokenizer, trainer.prepared, cfg, trainer.run_dir, device,
-                         trainer.step, trainer.train_seconds)
-    finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group(world)
+    except SystemExit:
+        if trainer is not None and trainer.signals.received is not None:
+            leave_group(world)  # every rank stopped at the same step (sync_step) and rank 0 has saved
+        raise
+    except RuntimeError as e:
+        if world == 1 or not lost_contact(e):
+            raise
+        raise UserError(f"lost contact with the other training processes ({one_line(e, 120)}); one of them "
+                        f"failed or was killed (torchrun's report names it); "
+                        f"{trainer.last_good() if trainer else 'no checkpoint was written'}",
+                        quiet=rank != 0) from None
+    if trainer.master:  # one process, no collective: the others have already left
+        final_report(trainer.model, trainer.tokenizer, trainer.prepared, cfg, trainer.run_dir, device,
+                     trainer.step, trainer.train_seconds)
+
+
+def lost_contact(error: RuntimeError) -> bool:
+    """Whether a collective failed because another process of the job died or stopped answering (gloo raises a
+    plain RuntimeError from inside backward's all-reduce hook, NCCL a DistError)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        s in text for s in ("gloo", "Gloo", "NCCL", "Connection reset", "Connection closed", "timed out"))
+
+
+def leave_group(world: int) -> None:
+    """Every rank leaves the process group together, after the last collective: a rank that tore down its
+    connections while another still used them made that one abort (SIGABRT) in 2 of 4 torchrun runs."""
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -253,7 +253,7 @@ def write_translations(out, translate_lines, sources: list[str] | None, nbest: i
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # sentences before and after options
     if args.text and args.input:
         raise UserError("give sentences as arguments or --input FILE, not both")
     if args.plot_attention and len(args.text) != 1:

@@ -1,0 +1,129 @@
+"""Multi-process training under torchrun (gloo on CPU): clean exits on success and one clear line on failure."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "NMT_NO_TCMALLOC": "1", "NMT_DEBUG": "0", "PYTHONUNBUFFERED": "1"}
+ENV.pop("MULTI30K_DIR", None)
+OUR_TRACEBACK = re.compile(r'File "[^"]*(train_transformer|data_preparation|evaluation|checkpoint)\.py"')
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("torchrun") is None and sys.platform != "linux",
+                                                   reason="needs torch.distributed.run")]
+
+
+def torchrun(run: Path, prepared: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*TORCHRUN, "train_transformer.py", "--config", "configs/tiny.yaml", f"train.out_dir={run}",
+                           f"data.prepared_dir={prepared}", "decode.max_len_a=0", "decode.max_len_b=6", *extra],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_processes_finish_cleanly_five_times_in_a_row(tmp_path):
+    """The final report runs on rank 0 after every rank left the process group: exit 0, no traceback, one
+    results.json (before, 2 of 4 runs ended with rank 1 aborting and torchrun exiting 1)."""
+    for i in range(5):
+        run = tmp_path / f"run{i}"
+        proc = torchrun(run, tmp_path / "prepared")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-3000:]
+        assert "Traceback" not in out and "terminate called" not in out and "SIGTERM" not in out, out[-3000:]
+        assert out.count("results: ") == 1 and (run / "results.json").is_file()
+        assert "2 process(es)" in out
+
+
+def test_bad_override_fails_once_with_one_line(tmp_path):
+    proc = torchrun(tmp_path / "run", tmp_path / "prepared", "train.warmup=0")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error: train.warmup must be >= 1 (the schedule of eq. 3 divides by it)"], proc.stderr[-3000:]
+    assert not OUR_TRACEBACK.search(proc.stderr), proc.stderr[-3000:]
+
+
+def test_setup_error_on_every_rank_is_reported_once(tmp_path):
+    """A run dir that already holds a run: every rank finds it, rank 0 alone says so, nobody hangs."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    proc = torchrun(run, tmp_path / "prepared", timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "already holds a run" in errors[0], proc.stderr[-3000:]
+    assert not OUR_TRACEBACK.search(proc.stderr), proc.stderr[-3000:]
+
+
+def rank_pid(run: Path, local_rank: int) -> int | None:
+    """PID of the training process of local_rank whose command line names run."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"train.out_dir={run}".encode() in cmdline and f"LOCAL_RANK={local_rank}".encode() in environ \
+                and any(arg.endswith(b"train_transformer.py") for arg in cmdline):
+            return int(entry.name)
+    return None
+
+
+def test_killed_rank_ends_the_job_with_one_line(tmp_path):
+    """SIGKILL one rank mid-training: the job ends non-zero within the timeout, rank 0 says in one line that it
+    lost the other process, and no Python traceback of ours is printed."""
+    run = tmp_path / "run"
+    cmd = [*TORCHRUN, "train_transformer.py", "--config", "configs/tiny.yaml", f"train.out_dir={run}",
+           f"data.prepared_dir={tmp_path / 'prepared'}", "train.max_steps=100000", "train.eval_every=20"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (run / "checkpoint_last.pt").exists():  # training is under way, past the first evaluation
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.2)
+        pid = rank_pid(run, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "lost contact with the other training processes" in errors[0], err[-3000:]
+    assert "checkpoint_last.pt (step" in errors[0]
+    assert not OUR_TRACEBACK.search(err), err[-3000:]
+
+
+def test_sigterm_stops_every_rank_at_the_same_step_and_resumes(tmp_path):
+    """SIGTERM to torchrun (what a scheduler sends): the ranks agree on the step, rank 0 saves it, every rank
+    leaves together; a torchrun --resume then continues from that step and ends cleanly."""
+    run, prepared = tmp_path / "run", tmp_path / "prepared"
+    cmd = [*TORCHRUN, "train_transformer.py", "--config", "configs/tiny.yaml", f"train.out_dir={run}",
+           f"data.prepared_dir={prepared}", "train.max_steps=100000", "train.eval_every=20"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (run / "checkpoint_last.pt").exists():
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert not OUR_TRACEBACK.search(err) and "terminate called" not in err, err[-3000:]
+    saved = re.findall(r"saved checkpoint_last.pt at step (\d+)", err)
+    assert len(saved) == 1, err[-3000:]
+    step = int(saved[0])
+    proc = torchrun(run, prepared, "--resume", f"train.max_steps={step + 10}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from step {step} " in proc.stderr and (run / "results.json").is_file()
