@@ -198,6 +198,25 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return cfg
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping: plain YAML keeps the last one, so a second
+    `train:` block would silently reset every training setting of the first."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` then overriding a key is fine
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise UserError(f"config file {key_node.start_mark.name}: key '{key}' appears twice (lines "
+                                    f"{seen[key]} and {line}); the second would silently replace the first")
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path) -> dict:
     """Read a YAML file with the safe loader, turning every failure into one clear line."""
     p = Path(path)
@@ -206,9 +225,13 @@ def read_yaml(path) -> dict:
     if p.is_dir():
         raise UserError(f"config path is a directory, expected a YAML file: {p}")
     try:
-        return yaml.safe_load(p.read_text(encoding="utf-8"))
+        with open(p, encoding="utf-8") as f:  # a stream, so that marks (and messages) name the file
+            return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except UnicodeDecodeError:
         raise UserError(f"config file is not UTF-8 text: {p}") from None
+    except yaml.MarkedYAMLError as e:  # where and what: the first line alone ("while scanning ...") says neither
+        where = f" (line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1})" if e.problem_mark else ""
+        raise UserError(f"config file {p} is not valid YAML: {e.problem or e.context}{where}") from None
     except yaml.YAMLError as e:
         raise UserError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
 

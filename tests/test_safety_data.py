@@ -1,0 +1,88 @@
+"""Nothing lost, nothing mixed up (data and config side): rebuilding the same data gives the same tokenizer, so
+runs keep resuming; a damaged prepared folder is one line saying to rerun with --force; a YAML key given twice
+is an error, not a silent reset; values that would crash preparation or training later fail at validation.
+
+Failures are checked as the user sees them: main() of a script through cli_main, one `error:` line, no traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+import data_preparation as dp
+from config import load_config
+from runtime import UserError, cli_main
+
+TOKENIZER_FILES = ("tokenizer.json", "spm.model", "spm.vocab")
+
+
+def run_main(main, args, capsys, monkeypatch):
+    """main(argv) through cli_main in this process, as the script runs it: (status, stdout, stderr)."""
+    monkeypatch.setenv("NMT_DEBUG", "0")
+    monkeypatch.setenv("NMT_NO_TCMALLOC", "1")
+    capsys.readouterr()
+    try:
+        cli_main(main, [str(a) for a in args])
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_one_line_error(status, err: str, *words: str):
+    assert status not in (0, None), err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.split("\n") if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for word in words:
+        assert word in lines[0], err
+
+
+def file_bytes(folder: Path) -> dict:
+    return {name: (folder / name).read_bytes() for name in TOKENIZER_FILES}
+
+
+# ---------------------------------------------------------------- 3. YAML keys given twice
+
+
+DUPLICATES = [  # (config text, key named, line of the repetition)
+    ("train:\n  max_steps: 5\n  warmup: 2\ntrain:\n  max_steps: 7\n", "'train'", "lines 1 and 4"),
+    ("train:\n  max_steps: 5\n  warmup: 2\n  max_steps: 7\n", "'max_steps'", "lines 2 and 4"),
+    ("data: {src_lang: en, tgt_lang: de, src_lang: fr}\n", "'src_lang'", "lines 1 and 1"),
+    ("train:\n  max_steps: 5\ndata:\n  test_prefixes:\n    - {a: 1,\n       a: 2}\n", "'a'", "lines 5 and 6"),
+]
+
+
+@pytest.mark.parametrize("text, key, lines", DUPLICATES, ids=["section", "key", "flow_mapping", "nested"])
+def test_a_key_given_twice_is_an_error_naming_it_and_its_lines(text, key, lines, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(UserError) as error:
+        load_config(path)
+    assert key in str(error.value) and lines in str(error.value) and str(path) in str(error.value)
+    status, out, err = run_main(dp.main, ["--config", path], capsys, monkeypatch)
+    assert_one_line_error(status, err, key, lines)
+
+
+def test_normal_configs_merge_keys_and_overrides_still_load(tmp_path):
+    for name in ("tiny", "multi30k_en_de", "wmt14_en_de_big"):
+        assert load_config(ROOT / "configs" / f"{name}.yaml").train.max_steps >= 1
+    path = tmp_path / "anchors.yaml"
+    path.write_text("train: &t {max_steps: 5, warmup: 2}\ndecode:\n  beam: 3\n"
+                    "data: {valid_split: val, test_splits: [a, b]}\n", encoding="utf-8")
+    cfg = load_config(path, ["train.max_steps=9", "data.test_splits=[c]"])
+    assert (cfg.train.max_steps, cfg.train.warmup, cfg.decode.beam, cfg.data.test_splits) == (9, 2, 3, ["c"])
+    path.write_text("data:\n  <<: {src_lang: de, tgt_lang: en}\n  src_lang: fr\n", encoding="utf-8")
+    cfg = load_config(path)  # a merge key then an override is not a repetition
+    assert (cfg.data.src_lang, cfg.data.tgt_lang) == ("fr", "en")
+
+
+def test_yaml_syntax_errors_say_where(tmp_path):
+    path = tmp_path / "tabs.yaml"
+    path.write_text("data:\n\tsrc_lang: en\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"line 2, column 1"):
+        load_config(path)
