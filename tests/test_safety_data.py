@@ -7,10 +7,11 @@ Failures are checked as the user sees them: main() of a script through cli_main,
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import FIXTURES, ROOT, fixture_data, write_config
 
 import data_preparation as dp
 from config import load_config
@@ -86,3 +87,41 @@ def test_yaml_syntax_errors_say_where(tmp_path):
     path.write_text("data:\n\tsrc_lang: en\n", encoding="utf-8")
     with pytest.raises(UserError, match=r"line 2, column 1"):
         load_config(path)
+
+
+# ---------------------------------------------------------------- 4. values that would crash later
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["data.tokenizer=spacy", "data.src_lang=xx1"], ["'xx1'", "data.src_lang"]),
+    (["data.tokenizer=spacy", "data.tgt_lang=zz"], ["'zz'"]),
+    (["train.seed=-1"], ["train.seed"]),
+    ([f"train.seed={2**40}"], ["train.seed"]),
+    ([f"data.vocab_size={2**31}"], ["data.vocab_size"]),
+    (["data.sample_size=-5"], ["data.sample_size"]),
+    (["data.num_workers=-1"], ["data.num_workers"]),
+    (["data.valid_split=train"], ["data.valid_split"]),
+    (["data.dataset=multi30k", "data.test_splits=[train]"], ["data.test_splits"]),
+])
+def test_values_that_crash_later_fail_at_validation(overrides, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NMT_DOWNLOAD_URL_BASE", "file:///nonexistent")  # never the network
+    monkeypatch.delenv("MULTI30K_DIR", raising=False)
+    for split in ("train", "val", "test"):  # files for every language used, so that only the value is wrong
+        for lang in ("en", "de", "xx1", "zz"):
+            shutil.copy(FIXTURES / f"{split}.{lang[:2] if lang == 'de' else 'en'}", tmp_path / f"{split}.{lang}")
+    prefixes = {f"{key}_prefix": str(tmp_path / split) for key, split in (("train", "train"), ("valid", "val"))}
+    data = fixture_data(tmp_path / "prepared", **prefixes, test_prefixes=[str(tmp_path / "test")])
+    config = write_config(tmp_path / "data.yaml", data)
+    status, out, err = run_main(dp.main, ["--config", config, *overrides], capsys, monkeypatch)
+    assert_one_line_error(status, err, *words)
+    assert not (tmp_path / "prepared").exists()
+
+
+# ---------------------------------------------------------------- more probes
+
+
+def test_config_file_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "bom.yaml"
+    path.write_bytes("\ufeffdata:\n  src_lang: de\n  tgt_lang: en\n".encode())
+    cfg = load_config(path)
+    assert (cfg.data.src_lang, cfg.data.tgt_lang) == ("de", "en")
