@@ -9,6 +9,9 @@ split and side a flat token array and offsets (.npy), the raw valid/test text (B
 in one cached folder. Text is streamed throughout, so WMT14's 4.5 M pairs (docs/wmt14.md) fit in little memory.
 The trainer then reads a split with load_split(), groups it with TokenBatchSampler and pads it with collate().
 
+The same inputs and settings give the same bytes (tokenizer files included, wherever and however often they
+are prepared), so a run keeps resuming after its prepared folder is rebuilt: see _reproducible_spm_model.
+
 Token ids are the same for both tokenizers and both languages: pad=0, unk=1, bos=2, eos=3. The encoder
 reads tokens + [eos]; the decoder reads [bos] + tokens and predicts tokens + [eos] (auto-regressive, §3).
 
@@ -44,6 +47,8 @@ SPECIALS = ("<pad>", "<unk>", "<bos>", "<eos>")
 FORMAT_VERSION = 1  # part of the cache key: bump it when the prepared layout changes
 ENCODE_CHUNK = 20_000  # pairs per encode task: the progress bar moves, a worker's memory stays small
 BIG_FILE = 16 << 20  # inputs at least this big have their sha256 cached in prepared_dir/input_sha256.json
+SPM_TRAINER_SPEC = 2  # field number of ModelProto.trainer_spec in sentencepiece_model.proto
+SPM_MACHINE_FIELDS = (1, 2, 16)  # TrainerSpec input, model_prefix, num_threads: where and how it was built
 
 def _sha256_file(path: Path, cache: dict | None = None) -> str:
     """sha256 of a file; cache maps 'path size mtime' to known sums so that 1.4 GB of WMT14 is read once."""
@@ -127,6 +132,57 @@ class Tokenizer:
         _write_json(folder / "tokenizer.json", self.info)
 
 
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[pos]
+        value, pos, shift = value | (byte & 0x7F) << shift, pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def _proto_fields(data: bytes) -> Iterator[tuple[int, bytes, bytes]]:
+    """(field number, the field as stored, its payload) of each field of a serialized protobuf message."""
+    pos = 0
+    while pos < len(data):
+        start = pos
+        key, pos = _read_varint(data, pos)
+        wire, payload_start = key & 7, pos
+        if wire == 0:
+            pos = _read_varint(data, pos)[1]
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        elif wire == 2:
+            length, payload_start = _read_varint(data, pos)
+            pos = payload_start + length
+        else:
+            raise ValueError(f"unexpected protobuf wire type {wire}")
+        yield key >> 3, data[start:pos], data[payload_start:pos]
+
+
+def _reproducible_spm_model(data: bytes) -> bytes:
+    """spm.model without what records where and how it was built (the random temporary build folder, the
+    thread count), which otherwise makes every rebuild of the same data a different tokenizer to
+    checkpoint.tokenizer_fingerprint, and every run trained on it impossible to resume. Edited on the wire
+    format because the protobuf package is not a dependency; these fields are optional, encoding never reads
+    them."""
+    out = bytearray()
+    for number, field, payload in _proto_fields(data):
+        if number == SPM_TRAINER_SPEC:
+            spec = b"".join(f for n, f, _ in _proto_fields(payload) if n not in SPM_MACHINE_FIELDS)
+            field = _varint(SPM_TRAINER_SPEC << 3 | 2) + _varint(len(spec)) + spec
+        out += field
+    return bytes(out)
+
+
 class BpeTokenizer(Tokenizer):
     """One SentencePiece BPE model for both languages, so embeddings can be shared (§3.4; §5.1 shared vocab).
 
@@ -165,6 +221,8 @@ class BpeTokenizer(Tokenizer):
             raise UserError(f"SentencePiece training failed: {e}; try another data.vocab_size") from None
         finally:
             sample.unlink(missing_ok=True)
+        model = folder / "spm.model"
+        model.write_bytes(_reproducible_spm_model(model.read_bytes()))
         return {"kind": "bpe", "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "lowercase": False,
                 "files": ["spm.model", "spm.vocab"]}
 

@@ -7,12 +7,16 @@ Failures are checked as the user sees them: main() of a script through cli_main,
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, ROOT, fixture_data, write_config
+from conftest import FIXTURES, ROOT, fixture_config, fixture_data, fixture_lines, write_config
 
+import checkpoint
 import data_preparation as dp
 from config import load_config
 from runtime import UserError, cli_main
@@ -45,6 +49,42 @@ def assert_one_line_error(status, err: str, *words: str):
 
 def file_bytes(folder: Path) -> dict:
     return {name: (folder / name).read_bytes() for name in TOKENIZER_FILES}
+
+
+# ---------------------------------------------------------------- 1. the same data gives the same tokenizer
+
+
+def test_preparing_the_same_data_again_gives_byte_identical_tokenizer_files(tmp_path):
+    first = dp.prepare(fixture_config(tmp_path / "a"))
+    second = dp.prepare(fixture_config(tmp_path / "b"))  # another prepared_dir (another machine, a moved folder)
+    files = file_bytes(first)
+    assert file_bytes(second) == files
+    assert checkpoint.tokenizer_fingerprint(second) == checkpoint.tokenizer_fingerprint(first)
+    assert str(tmp_path).encode() not in files["spm.model"]  # no build path recorded inside the model
+    fingerprint = checkpoint.tokenizer_fingerprint(first)
+    assert dp.prepare(fixture_config(tmp_path / "a"), force=True) == first
+    assert file_bytes(first) == files and checkpoint.tokenizer_fingerprint(first) == fingerprint
+    tok = dp.load_tokenizer(first)  # the edited model still loads and round-trips
+    for line in fixture_lines("val", "de"):
+        assert tok.decode_tgt(tok.encode_tgt(line)) == line
+
+
+def test_a_run_resumes_after_its_prepared_data_is_rebuilt(tmp_path):
+    """End to end: train, delete the prepared folder, resume (which prepares the data again)."""
+    env = {**os.environ, "NMT_DEBUG": "0", "NMT_NO_TCMALLOC": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("MULTI30K_DIR", None)
+    prepared = tmp_path / "prepared"
+    args = [sys.executable, str(ROOT / "train_transformer.py"), "--config", "configs/tiny.yaml",
+            f"train.out_dir={tmp_path / 'run'}", f"data.prepared_dir={prepared}", "train.eval_every=10",
+            "decode.max_len_a=0", "decode.max_len_b=4"]
+    first = subprocess.run([*args, "train.max_steps=10"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.rmtree(prepared)
+    resumed = subprocess.run([*args, "train.max_steps=12", "--resume"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert prepared.is_dir()
 
 
 # ---------------------------------------------------------------- 3. YAML keys given twice
