@@ -12,6 +12,11 @@ The trainer then reads a split with load_split(), groups it with TokenBatchSampl
 The same inputs and settings give the same bytes (tokenizer files included, wherever and however often they
 are prepared), so a run keeps resuming after its prepared folder is rebuilt: see _reproducible_spm_model.
 
+A damaged prepared folder (truncated or invalid meta.json / tokenizer.json / .npy, a missing file) is never
+used and never silently replaced (a running job may be reading it): prepare() checks a folder before reusing
+it, and load_meta, load_split and load_tokenizer check what they read; each stops with one line naming the
+folder and saying to rerun with --force, which rebuilds it.
+
 Token ids are the same for both tokenizers and both languages: pad=0, unk=1, bos=2, eos=3. The encoder
 reads tokens + [eos]; the decoder reads [bos] + tokens and predicts tokens + [eos] (auto-regressive, §3).
 
@@ -40,7 +45,7 @@ from tqdm import tqdm
 
 from config import DataConfig, load_config
 from corpora import DATASETS, WMT14_LINES, count_lines, file_list, iter_lines, wmt14_corpus
-from runtime import UserError, cli_main, temp_path, write_text
+from runtime import UserError, cli_main, one_line, temp_path, write_text
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<unk>", "<bos>", "<eos>")
@@ -49,6 +54,13 @@ ENCODE_CHUNK = 20_000  # pairs per encode task: the progress bar moves, a worker
 BIG_FILE = 16 << 20  # inputs at least this big have their sha256 cached in prepared_dir/input_sha256.json
 SPM_TRAINER_SPEC = 2  # field number of ModelProto.trainer_spec in sentencepiece_model.proto
 SPM_MACHINE_FIELDS = (1, 2, 16)  # TrainerSpec input, model_prefix, num_threads: where and how it was built
+
+
+def damaged(folder, what: str) -> UserError:
+    """The one error of a prepared folder that cannot be used as it is (see the module docstring)."""
+    return UserError(f"prepared data folder {folder} is damaged ({what}); rerun with --force "
+                     "(python data_preparation.py --config CONFIG --force) to rebuild it")
+
 
 def _sha256_file(path: Path, cache: dict | None = None) -> str:
     """sha256 of a file; cache maps 'path size mtime' to known sums so that 1.4 GB of WMT14 is read once."""
@@ -304,13 +316,44 @@ class SpacyTokenizer(Tokenizer):
 TOKENIZERS = {"bpe": BpeTokenizer, "spacy": SpacyTokenizer}
 
 
-def load_tokenizer(folder) -> Tokenizer:
-    """The tokenizer saved in a prepared data folder or in a run's tokenizer/ folder."""
+def _tokenizer_info(folder) -> dict:
+    """tokenizer.json of a folder, checked: a known kind, both languages, every file it names present."""
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         raise UserError(f"no tokenizer.json in {folder}: need a prepared data folder or RUN_DIR/tokenizer")
-    info = json.loads(path.read_text("utf-8"))
-    return TOKENIZERS[info["kind"]](path.parent, info)
+    try:
+        info = json.loads(path.read_text("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise _damaged_tokenizer(folder, "tokenizer.json is not valid JSON") from None
+    if not isinstance(info, dict) or info.get("kind") not in TOKENIZERS:
+        kind = info.get("kind") if isinstance(info, dict) else None
+        raise _damaged_tokenizer(folder, f"tokenizer.json names no known tokenizer kind ({kind!r})")
+    missing = [k for k in ("src_lang", "tgt_lang", "lowercase", "files") if k not in info]
+    if missing or not isinstance(info["files"], list):
+        raise _damaged_tokenizer(folder, f"tokenizer.json lacks {', '.join(missing) or 'a list of files'}")
+    for name in info["files"]:
+        if not (Path(folder) / str(name)).is_file():
+            raise _damaged_tokenizer(folder, f"{name} is missing")
+    return info
+
+
+def _damaged_tokenizer(folder, what: str) -> UserError:
+    """load_tokenizer also reads a run's tokenizer/ folder, which --force does not rebuild."""
+    if Path(folder).name == "tokenizer":
+        return UserError(f"the tokenizer in {folder} is damaged ({what}); copy it from the prepared data folder "
+                         "the run was trained on")
+    return damaged(folder, what)
+
+
+def load_tokenizer(folder) -> Tokenizer:
+    """The tokenizer saved in a prepared data folder or in a run's tokenizer/ folder."""
+    info = _tokenizer_info(folder)
+    try:
+        return TOKENIZERS[info["kind"]](Path(folder), info)
+    except UserError:
+        raise
+    except (OSError, ValueError, RuntimeError) as e:  # truncated spm.model, vocab json that is not JSON, ...
+        raise _damaged_tokenizer(folder, one_line(e, 120)) from None
 
 
 # ------------------------------------------------------------------------------------------------- prepare
@@ -515,6 +558,7 @@ def prepare(cfg: DataConfig, force: bool = False) -> Path:
     name = f"{cfg.dataset}_{cfg.src_lang}-{cfg.tgt_lang}_{cfg.tokenizer}{vocab}_{key}"
     folder = Path(cfg.prepared_dir) / name
     if (folder / "meta.json").is_file() and not force:
+        check_prepared(folder)
         print(f"using prepared data {folder} (--force rebuilds it)")
         return folder
     tmp = temp_path(folder)  # a whole folder built aside, renamed when complete
@@ -533,6 +577,20 @@ def prepare(cfg: DataConfig, force: bool = False) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     print_summary(meta, folder)
     return folder
+
+
+def check_prepared(folder: Path) -> None:
+    """What reusing a prepared folder needs, checked cheaply (headers and sizes, no token read): meta.json, the
+    tokenizer (loaded, as its user will next), every split's arrays and the valid/test raw text. Raises
+    damaged(...) otherwise."""
+    meta = load_meta(folder)
+    load_tokenizer(folder)
+    for split in meta["splits"]:
+        load_split(folder, split)
+        if split != "train":
+            for lang in (meta["src_lang"], meta["tgt_lang"]):
+                if not (folder / f"{split}.{lang}.txt").is_file():
+                    raise damaged(folder, f"{split}.{lang}.txt is missing")
 
 
 def _build(cfg: DataConfig, files: dict, folder: Path) -> dict:
@@ -615,19 +673,48 @@ class Split:
         return self.src_tokens[s[i] : s[i + 1]], self.tgt_tokens[t[i] : t[i + 1]]
 
 
+META_KEYS = ("format", "src_lang", "tgt_lang", "src_vocab_size", "tgt_vocab_size", "dtype", "valid_split",
+             "test_splits", "splits")
+
+
 def load_meta(folder) -> dict:
     """meta.json of a prepared folder: vocab sizes, split names (valid_split, test_splits), counts, inputs."""
     path = Path(folder) / "meta.json"
     if not path.is_file():
         raise UserError(f"{folder} is not a prepared data folder (no meta.json): run data_preparation.py")
-    return json.loads(path.read_text("utf-8"))
+    try:
+        meta = json.loads(path.read_text("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise damaged(folder, "meta.json is not valid JSON") from None
+    if not isinstance(meta, dict) or any(key not in meta for key in META_KEYS):
+        raise damaged(folder, "meta.json lacks entries")
+    if meta["format"] != FORMAT_VERSION:
+        raise damaged(folder, f"meta.json has format {meta['format']}, this code reads {FORMAT_VERSION}")
+    if not isinstance(meta["splits"], dict) or not all(isinstance(s, dict) and isinstance(s.get("pairs"), int)
+                                                       for s in meta["splits"].values()):
+        raise damaged(folder, "meta.json lacks the pair counts of its splits")
+    return meta
 
 
 def load_split(prepared_dir, split: str) -> Split:
-    splits = load_meta(prepared_dir)["splits"]
+    """One split, checked against meta.json: arrays present, whole, of the recorded dtype and pair count."""
+    meta = load_meta(prepared_dir)
+    splits = meta["splits"]
     if split not in splits:
         raise UserError(f"no split '{split}' in {prepared_dir}; it has {', '.join(splits)}")
-    return Split(Path(prepared_dir), split)
+    try:
+        data = Split(Path(prepared_dir), split)
+    except FileNotFoundError as e:
+        raise damaged(prepared_dir, f"{Path(e.filename).name} is missing") from None
+    except (OSError, ValueError, EOFError) as e:  # np.load of a truncated or overwritten .npy
+        raise damaged(prepared_dir, f"an array of split '{split}' is unreadable: {one_line(e, 100)}") from None
+    for side in ("src", "tgt"):
+        tokens, offsets = getattr(data, f"{side}_tokens"), getattr(data, f"{side}_offsets")
+        whole = (offsets.ndim == 1 and len(offsets) == splits[split]["pairs"] + 1 and offsets[0] == 0
+                 and offsets[-1] == len(tokens) and tokens.dtype.name == meta["dtype"])
+        if not whole:
+            raise damaged(prepared_dir, f"{split}.{side} arrays do not match meta.json")
+    return data
 
 
 def read_raw(prepared_dir, split: str, lang: str) -> list[str]:

@@ -7,6 +7,7 @@ Failures are checked as the user sees them: main() of a script through cli_main,
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -85,6 +86,100 @@ def test_a_run_resumes_after_its_prepared_data_is_rebuilt(tmp_path):
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert prepared.is_dir()
+
+
+# ---------------------------------------------------------------- 2. a damaged prepared folder
+
+
+@pytest.fixture(scope="module")
+def prepared_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prepared") / "prepared"
+    dp.prepare(fixture_config(root))
+    return root
+
+
+def damage(folder: Path, case: str) -> None:
+    def cut(name):
+        path = folder / name
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    if case == "meta_truncated":
+        cut("meta.json")
+    elif case == "meta_not_a_mapping":
+        (folder / "meta.json").write_text("[1, 2]\n", encoding="utf-8")
+    elif case == "meta_without_splits":
+        meta = json.loads((folder / "meta.json").read_text("utf-8"))
+        del meta["splits"]
+        (folder / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    elif case == "npy_truncated":
+        cut("train.src.tokens.npy")
+    elif case == "npy_header_only":
+        path = folder / "train.tgt.offsets.npy"
+        path.write_bytes(path.read_bytes()[:40])
+    elif case == "npy_missing":
+        (folder / "val.tgt.offsets.npy").unlink()
+    elif case == "npy_of_another_split":  # same format, wrong content: offsets no longer match meta.json
+        shutil.copy(folder / "test.src.offsets.npy", folder / "train.src.offsets.npy")
+    elif case == "raw_text_missing":
+        (folder / "val.de.txt").unlink()
+    elif case == "tokenizer_kind":
+        info = json.loads((folder / "tokenizer.json").read_text("utf-8"))
+        (folder / "tokenizer.json").write_text(json.dumps({**info, "kind": "wordpiece"}), encoding="utf-8")
+    elif case == "tokenizer_json_truncated":
+        cut("tokenizer.json")
+    elif case == "spm_missing":
+        (folder / "spm.model").unlink()
+    elif case == "spm_truncated":
+        cut("spm.model")
+    else:
+        raise AssertionError(case)
+
+
+DAMAGE = ["meta_truncated", "meta_not_a_mapping", "meta_without_splits", "npy_truncated", "npy_header_only",
+          "npy_missing", "npy_of_another_split", "raw_text_missing", "tokenizer_kind", "tokenizer_json_truncated",
+          "spm_missing", "spm_truncated"]
+CHECKED_BY_LOADERS = {  # what each case breaks for the reader that meets it first in training
+    "npy_truncated": lambda f: dp.load_split(f, "train"), "npy_missing": lambda f: dp.load_split(f, "val"),
+    "npy_of_another_split": lambda f: dp.load_split(f, "train"), "meta_truncated": dp.load_meta,
+    "tokenizer_kind": dp.load_tokenizer, "spm_missing": dp.load_tokenizer, "spm_truncated": dp.load_tokenizer,
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_damaged_prepared_folder_is_one_line_and_force_rebuilds_it(case, prepared_root, tmp_path, capsys,
+                                                                   monkeypatch):
+    root = tmp_path / "prepared"
+    shutil.copytree(prepared_root, root)
+    (folder,) = [p for p in root.iterdir() if p.is_dir()]
+    damage(folder, case)
+    config = write_config(tmp_path / "data.yaml", fixture_data(root))
+    status, out, err = run_main(dp.main, ["--config", config], capsys, monkeypatch)
+    assert_one_line_error(status, err, str(folder), "rerun with --force")
+    status, out, err = run_main(dp.main, ["--config", config, "--force"], capsys, monkeypatch)
+    assert status == 0, err
+    dp.check_prepared(folder)
+    assert file_bytes(folder) == file_bytes(next(p for p in prepared_root.iterdir() if p.is_dir()))
+
+
+@pytest.mark.parametrize("case", list(CHECKED_BY_LOADERS))
+def test_loaders_report_a_damaged_folder_in_one_line(case, prepared_root, tmp_path):
+    """The trainer and translate.py read prepared folders without prepare() too: the readers check as well."""
+    (source,) = [p for p in prepared_root.iterdir() if p.is_dir()]
+    folder = tmp_path / source.name
+    shutil.copytree(source, folder)
+    damage(folder, case)
+    with pytest.raises(UserError, match="rerun with --force") as error:
+        CHECKED_BY_LOADERS[case](folder)
+    assert str(folder) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_damaged_run_tokenizer_is_not_told_to_rerun_data_preparation(prepared_root, tmp_path):
+    (source,) = [p for p in prepared_root.iterdir() if p.is_dir()]
+    run_tokenizer = tmp_path / "run" / "tokenizer"
+    dp.load_tokenizer(source).save(run_tokenizer)
+    damage(run_tokenizer, "spm_truncated")
+    with pytest.raises(UserError, match="copy it from the prepared data folder"):
+        dp.load_tokenizer(run_tokenizer)
 
 
 # ---------------------------------------------------------------- 3. YAML keys given twice
