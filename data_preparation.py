@@ -229,8 +229,8 @@ class BpeTokenizer(Tokenizer):
                 unk_piece=SPECIALS[1], bos_piece=SPECIALS[2], eos_piece=SPECIALS[3],
                 input_sentence_size=cfg.sample_size, shuffle_input_sentence=True, num_threads=threads,
                 minloglevel=2)
-        except RuntimeError as e:
-            raise UserError(f"SentencePiece training failed: {e}; try another data.vocab_size") from None
+        except (RuntimeError, ValueError) as e:  # ValueError: a setting it cannot parse (vocab_size >= 2**31)
+            raise UserError(f"SentencePiece training failed: {_spm_reason(e)}; try another data.vocab_size") from None
         finally:
             sample.unlink(missing_ok=True)
         model = folder / "spm.model"
@@ -251,6 +251,22 @@ class BpeTokenizer(Tokenizer):
         return self.sp.decode(ids)
 
 
+def _spm_reason(e: Exception) -> str:
+    """SentencePiece's message without its C++ source location and check expression (noise to a user)."""
+    text = " ".join(str(e).split())
+    return text.rsplit("] ", 1)[-1] if "src/" in text else text
+
+
+def _spacy_tokenizer(lang: str):
+    """spacy.blank(lang).tokenizer, or one line when spaCy lacks the language or its extra packages (ja, ko)."""
+    try:
+        import spacy  # imported here: a second or two that the bpe path does not need
+
+        return spacy.blank(lang).tokenizer
+    except ImportError as e:
+        raise UserError(f"data.tokenizer=spacy cannot tokenize language '{lang}': {one_line(e)}") from None
+
+
 class SpacyTokenizer(Tokenizer):
     """spaCy's rule-based tokenizer spacy.blank(lang), one word vocabulary per language (min_freq, lowercase).
 
@@ -264,12 +280,11 @@ class SpacyTokenizer(Tokenizer):
 
     def __init__(self, folder: Path, info: dict):
         super().__init__(folder, info)
-        import spacy  # imported here: a second or two that the bpe path does not need
         from sacremoses import MosesDetokenizer
 
         langs = (self.src_lang, self.tgt_lang)
         self.lowercase = info["lowercase"]
-        self.nlp = {lang: spacy.blank(lang).tokenizer for lang in langs}
+        self.nlp = {lang: _spacy_tokenizer(lang) for lang in langs}
         self.vocab = {lang: json.loads((self.folder / f"vocab.{lang}.json").read_text("utf-8"))
                       for lang in langs}
         self.index = {lang: {w: i for i, w in enumerate(words)} for lang, words in self.vocab.items()}
@@ -283,11 +298,9 @@ class SpacyTokenizer(Tokenizer):
 
     @staticmethod
     def train(folder: Path, cfg: DataConfig, corpus: TrainText, threads: int) -> dict:
-        import spacy
-
         langs = (cfg.src_lang, cfg.tgt_lang)
         for lang in langs:
-            nlp, counts = spacy.blank(lang).tokenizer, Counter()
+            nlp, counts = _spacy_tokenizer(lang), Counter()
             with _bar(corpus.pairs, f"spacy vocab {lang}") as bar:
                 for chunk in _batched(corpus.side(lang), ENCODE_CHUNK):
                     for words in SpacyTokenizer.words(nlp, chunk, cfg.lowercase):
@@ -527,7 +540,12 @@ def _cache_key(cfg: DataConfig, files: dict) -> tuple[dict, dict, str]:
     else:
         settings.update(min_freq=cfg.min_freq, lowercase=cfg.lowercase)
     cache_file = Path(cfg.prepared_dir) / "input_sha256.json"  # sums of big inputs, by path, size and mtime
-    cache = json.loads(cache_file.read_text("utf-8")) if cache_file.is_file() else {}
+    try:
+        cache = json.loads(cache_file.read_text("utf-8")) if cache_file.is_file() else {}
+    except (UnicodeDecodeError, ValueError):  # only a cache (e.g. cut short by a full disk): compute it again
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
     inputs, known = {}, len(cache)
     for split, sides in files.items():
         for lang, value in sides.items():
@@ -554,6 +572,7 @@ def prepare(cfg: DataConfig, force: bool = False) -> Path:
         raise UserError(f"data.tokenizer '{cfg.tokenizer}' is unknown; use {', '.join(TOKENIZERS)}")
     files = DATASETS[cfg.dataset](cfg)
     settings, inputs, key = _cache_key(cfg, files)
+    _check_distinct_splits(files, inputs)
     vocab = f"{cfg.vocab_size}" if cfg.tokenizer == "bpe" else f"-min{cfg.min_freq}{'-lc' * cfg.lowercase}"
     name = f"{cfg.dataset}_{cfg.src_lang}-{cfg.tgt_lang}_{cfg.tokenizer}{vocab}_{key}"
     folder = Path(cfg.prepared_dir) / name
@@ -577,6 +596,21 @@ def prepare(cfg: DataConfig, force: bool = False) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     print_summary(meta, folder)
     return folder
+
+
+def _check_distinct_splits(files: dict, inputs: dict) -> None:
+    """Validation or test text identical to the training text (the same file given twice, or a copy) would
+    silently measure memorization: refuse it."""
+    sha = {v["path"]: v["sha256"] for v in inputs.values()}
+
+    def sums(split):
+        return [sha[str(path)] for side in files[split].values() for path in file_list(side)]
+
+    empty = hashlib.sha256(b"").hexdigest()  # no training text is reported later, by its own check
+    for split in files:
+        if split != "train" and sums(split) == sums("train") and set(sums("train")) != {empty}:
+            raise UserError(f"split '{split}' has the same text as the training split: validating or testing on "
+                            "training data measures nothing; give other files")
 
 
 def check_prepared(folder: Path) -> None:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, ROOT, fixture_config, fixture_data, fixture_lines, write_config
+from conftest import FIXTURES, ROOT, fixture_config, fixture_data, fixture_lines, write_config, write_corpus
 
 import checkpoint
 import data_preparation as dp
@@ -252,7 +252,62 @@ def test_values_that_crash_later_fail_at_validation(overrides, words, tmp_path, 
     assert not (tmp_path / "prepared").exists()
 
 
+def test_spacy_language_without_its_extra_packages_is_one_line(tmp_path):
+    """Japanese exists in spaCy (validation passes) but needs SudachiPy: prepare() must not give a traceback."""
+    pytest.importorskip("spacy")
+    try:
+        import sudachipy  # noqa: F401
+        pytest.skip("SudachiPy is installed here: Japanese works")
+    except ImportError:
+        pass
+    for split in ("train", "val"):
+        write_corpus(tmp_path, split, fixture_lines(split, "en"), fixture_lines(split, "de"), langs=("ja", "de"))
+    cfg = fixture_config(tmp_path / "p", tokenizer="spacy", src_lang="ja", train_prefix=str(tmp_path / "train"),
+                         valid_prefix=str(tmp_path / "val"), test_prefixes=[])
+    with pytest.raises(UserError, match="cannot tokenize language 'ja'"):
+        dp.prepare(cfg)
+
+
+def test_sentencepiece_errors_are_one_readable_line(tmp_path):
+    with pytest.raises(UserError) as error:  # byte fallback alone needs 256 pieces
+        dp.prepare(fixture_config(tmp_path, vocab_size=100))
+    assert "Vocabulary size is smaller than required_chars" in str(error.value)
+    assert "src/" not in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(UserError, match="SentencePiece training failed"):  # prepare() called without validate()
+        dp.prepare(fixture_config(tmp_path, vocab_size=2**31))
+
+
 # ---------------------------------------------------------------- more probes
+
+
+def test_validation_text_identical_to_training_text_is_refused(tmp_path):
+    copy = write_corpus(tmp_path / "c", "copy", fixture_lines("train", "en"), fixture_lines("train", "de"))
+    for valid in (str(FIXTURES / "train"), copy):
+        with pytest.raises(UserError, match="same text as the training split"):
+            dp.prepare(fixture_config(tmp_path / "p", valid_prefix=valid))
+    with pytest.raises(UserError, match="split 'copy' has the same text"):
+        dp.prepare(fixture_config(tmp_path / "p", test_prefixes=[copy]))
+
+
+def test_a_damaged_checksum_cache_is_recomputed(tmp_path):
+    root = tmp_path / "prepared"
+    root.mkdir()
+    (root / "input_sha256.json").write_text('{"cut sho', encoding="utf-8")
+    folder = dp.prepare(fixture_config(root))
+    assert dp.load_split(folder, "train")
+
+
+def test_crlf_files_give_the_same_data(tmp_path):
+    for split in ("train", "val", "test"):
+        for lang in ("en", "de"):
+            data = (FIXTURES / f"{split}.{lang}").read_bytes().replace(b"\n", b"\r\n")
+            (tmp_path / f"{split}.{lang}").write_bytes(data)
+    crlf = dp.prepare(fixture_config(tmp_path / "p", train_prefix=str(tmp_path / "train"),
+                                     valid_prefix=str(tmp_path / "val"), test_prefixes=[str(tmp_path / "test")]))
+    plain = dp.prepare(fixture_config(tmp_path / "q"))
+    assert dp.read_raw(crlf, "val", "de") == fixture_lines("val", "de")
+    for name in (*TOKENIZER_FILES, "train.src.tokens.npy", "val.tgt.tokens.npy"):
+        assert (crlf / name).read_bytes() == (plain / name).read_bytes(), name
 
 
 def test_config_file_with_a_byte_order_mark_loads(tmp_path):
@@ -260,3 +315,19 @@ def test_config_file_with_a_byte_order_mark_loads(tmp_path):
     path.write_bytes("\ufeffdata:\n  src_lang: de\n  tgt_lang: en\n".encode())
     cfg = load_config(path)
     assert (cfg.data.src_lang, cfg.data.tgt_lang) == ("de", "en")
+
+
+def test_not_gzip_raw_file_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NMT_DOWNLOAD_URL_BASE", "file:///nonexistent")  # never the network
+    monkeypatch.delenv("MULTI30K_DIR", raising=False)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for split in ("train", "val", "test_2016_flickr"):
+        for lang in ("en", "de"):
+            shutil.copy(FIXTURES / f"{'test' if split.startswith('test') else split}.{lang}", raw / f"{split}.{lang}")
+    (raw / "train.en").rename(raw / "train.en.gz")  # plain text named .gz
+    config = write_config(tmp_path / "data.yaml", {"dataset": "multi30k", "raw_dir": str(raw), "vocab_size": 400,
+                                                   "prepared_dir": str(tmp_path / "p"),
+                                                   "test_splits": ["test_2016_flickr"]})
+    status, out, err = run_main(dp.main, ["--config", config], capsys, monkeypatch)
+    assert_one_line_error(status, err, "train.en.gz")
