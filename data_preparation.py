@@ -353,8 +353,8 @@ def _tokenizer_info(folder) -> dict:
 def _damaged_tokenizer(folder, what: str) -> UserError:
     """load_tokenizer also reads a run's tokenizer/ folder, which --force does not rebuild."""
     if Path(folder).name == "tokenizer":
-        return UserError(f"the tokenizer in {folder} is damaged ({what}); copy it from the prepared data folder "
-                         "the run was trained on")
+        return UserError(f"cannot load the tokenizer in {folder}: damaged ({what}); copy it from the prepared "
+                         "data folder the run was trained on")
     return damaged(folder, what)
 
 
