@@ -117,7 +117,9 @@ def find_checkpoint(path) -> Path:
 
 def tokenizer_fingerprint(folder) -> str:
     """sha256 of a saved tokenizer (its settings and files): the trainer stores it in every checkpoint, so a
-    tokenizer folder from another run is caught even when its vocabulary has the same size."""
+    tokenizer folder from another run is caught even when its vocabulary has the same size. Preparing the same
+    data again gives byte-identical files (data_preparation._reproducible_spm_model), so a rebuilt prepared
+    folder keeps the fingerprint; the bytes are hashed as they are, so runs saved before that keep translating."""
     folder = Path(folder)
     try:
         info = json.loads((folder / "tokenizer.json").read_text("utf-8"))

@@ -198,6 +198,25 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return cfg
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping: plain YAML keeps the last one, so a second
+    `train:` block would silently reset every training setting of the first."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` then overriding a key is fine
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise UserError(f"config file {key_node.start_mark.name}: key '{key}' appears twice (lines "
+                                    f"{seen[key]} and {line}); the second would silently replace the first")
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path) -> dict:
     """Read a YAML file with the safe loader, turning every failure into one clear line."""
     p = Path(path)
@@ -206,11 +225,32 @@ def read_yaml(path) -> dict:
     if p.is_dir():
         raise UserError(f"config path is a directory, expected a YAML file: {p}")
     try:
-        return yaml.safe_load(p.read_text(encoding="utf-8"))
+        with open(p, encoding="utf-8") as f:  # a stream, so that marks (and messages) name the file
+            return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except UnicodeDecodeError:
         raise UserError(f"config file is not UTF-8 text: {p}") from None
+    except yaml.MarkedYAMLError as e:  # where and what: the first line alone ("while scanning ...") says neither
+        where = f" (line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1})" if e.problem_mark else ""
+        raise UserError(f"config file {p} is not valid YAML: {e.problem or e.context}{where}") from None
     except yaml.YAMLError as e:
         raise UserError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def _spacy_missing_language(d: DataConfig) -> str:
+    """The first of data.src_lang/tgt_lang spaCy has no tokenizer for ('' if none), else spaCy fails with a
+    traceback mid-preparation. spaCy is imported only for data.tokenizer=spacy (it takes a second or two)."""
+    if d.tokenizer != "spacy":
+        return ""
+    try:
+        import spacy.util
+    except ImportError:
+        raise UserError("data.tokenizer=spacy needs the spacy package (pip install spacy), or use bpe") from None
+    for lang in (d.src_lang, d.tgt_lang):
+        try:
+            spacy.util.get_lang_class(lang)
+        except (ImportError, ValueError):  # spaCy's E048 for an unknown code; ValueError: an empty one
+            return lang
+    return ""
 
 
 def validate(cfg: Config) -> Config:
@@ -227,14 +267,21 @@ def validate(cfg: Config) -> Config:
             if isinstance(value, float) and not math.isfinite(value):
                 raise UserError(f"{section.name}.{f.name} must be a finite number, got {value}")
     d, t, dec = cfg.data, cfg.train, cfg.decode
+    spacy_missing = _spacy_missing_language(d)
     checks = [
         (d.dataset in ("multi30k", "files", "wmt14"), f"data.dataset '{d.dataset}' is unknown (multi30k|files|wmt14)"),
         (d.tokenizer in ("bpe", "spacy"), f"data.tokenizer '{d.tokenizer}' is unknown; use bpe or spacy"),
         (d.src_lang != d.tgt_lang, "data.src_lang and data.tgt_lang must differ"),
-        (d.vocab_size >= 100, "data.vocab_size must be at least 100"),
+        (100 <= d.vocab_size < 1 << 31, "data.vocab_size must be at least 100 and below 2**31 (SentencePiece)"),
         (d.min_freq >= 1, "data.min_freq must be >= 1"),
+        (d.sample_size >= 1 and d.num_workers >= 0, "data.sample_size must be >= 1 and data.num_workers >= 0"),
+        (d.valid_split != "train", "data.valid_split cannot be 'train': it would replace the training split"),
+        (d.dataset == "files" or not {"train", d.valid_split} & set(d.test_splits),  # files: test_prefixes instead
+         "data.test_splits cannot name 'train' or data.valid_split (testing on training or validation data)"),
+        (not spacy_missing, f"data.tokenizer=spacy: spaCy has no language '{spacy_missing}' (data.src_lang/tgt_lang)"),
         (d.max_len >= 1 and d.max_len_ratio >= 1.0, "data.max_len must be >= 1 and data.max_len_ratio >= 1"),
         (t.max_tokens >= 16, "train.max_tokens must be at least 16"),
+        (0 <= t.seed < 1 << 32, f"train.seed must be in [0, 2**32) (numpy's seed range), got {t.seed}"),
         (t.pad_multiple >= 1, "train.pad_multiple must be >= 1 (1 = no rounding)"),
         (t.update_freq >= 1, "train.update_freq must be >= 1"),
         (t.max_steps >= 1, "train.max_steps must be >= 1"),

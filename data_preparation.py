@@ -9,6 +9,14 @@ split and side a flat token array and offsets (.npy), the raw valid/test text (B
 in one cached folder. Text is streamed throughout, so WMT14's 4.5 M pairs (docs/wmt14.md) fit in little memory.
 The trainer then reads a split with load_split(), groups it with TokenBatchSampler and pads it with collate().
 
+The same inputs and settings give the same bytes (tokenizer files included, wherever and however often they
+are prepared), so a run keeps resuming after its prepared folder is rebuilt: see _reproducible_spm_model.
+
+A damaged prepared folder (truncated or invalid meta.json / tokenizer.json / .npy, a missing file) is never
+used and never silently replaced (a running job may be reading it): prepare() checks a folder before reusing
+it, and load_meta, load_split and load_tokenizer check what they read; each stops with one line naming the
+folder and saying to rerun with --force, which rebuilds it.
+
 Token ids are the same for both tokenizers and both languages: pad=0, unk=1, bos=2, eos=3. The encoder
 reads tokens + [eos]; the decoder reads [bos] + tokens and predicts tokens + [eos] (auto-regressive, §3).
 
@@ -37,13 +45,22 @@ from tqdm import tqdm
 
 from config import DataConfig, load_config
 from corpora import DATASETS, WMT14_LINES, count_lines, file_list, iter_lines, wmt14_corpus
-from runtime import UserError, cli_main, temp_path, write_text
+from runtime import UserError, cli_main, one_line, temp_path, write_text
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<unk>", "<bos>", "<eos>")
 FORMAT_VERSION = 1  # part of the cache key: bump it when the prepared layout changes
 ENCODE_CHUNK = 20_000  # pairs per encode task: the progress bar moves, a worker's memory stays small
 BIG_FILE = 16 << 20  # inputs at least this big have their sha256 cached in prepared_dir/input_sha256.json
+SPM_TRAINER_SPEC = 2  # field number of ModelProto.trainer_spec in sentencepiece_model.proto
+SPM_MACHINE_FIELDS = (1, 2, 16)  # TrainerSpec input, model_prefix, num_threads: where and how it was built
+
+
+def damaged(folder, what: str) -> UserError:
+    """The one error of a prepared folder that cannot be used as it is (see the module docstring)."""
+    return UserError(f"prepared data folder {folder} is damaged ({what}); rerun with --force "
+                     "(python data_preparation.py --config CONFIG --force) to rebuild it")
+
 
 def _sha256_file(path: Path, cache: dict | None = None) -> str:
     """sha256 of a file; cache maps 'path size mtime' to known sums so that 1.4 GB of WMT14 is read once."""
@@ -127,6 +144,57 @@ class Tokenizer:
         _write_json(folder / "tokenizer.json", self.info)
 
 
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[pos]
+        value, pos, shift = value | (byte & 0x7F) << shift, pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def _proto_fields(data: bytes) -> Iterator[tuple[int, bytes, bytes]]:
+    """(field number, the field as stored, its payload) of each field of a serialized protobuf message."""
+    pos = 0
+    while pos < len(data):
+        start = pos
+        key, pos = _read_varint(data, pos)
+        wire, payload_start = key & 7, pos
+        if wire == 0:
+            pos = _read_varint(data, pos)[1]
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        elif wire == 2:
+            length, payload_start = _read_varint(data, pos)
+            pos = payload_start + length
+        else:
+            raise ValueError(f"unexpected protobuf wire type {wire}")
+        yield key >> 3, data[start:pos], data[payload_start:pos]
+
+
+def _reproducible_spm_model(data: bytes) -> bytes:
+    """spm.model without what records where and how it was built (the random temporary build folder, the
+    thread count), which otherwise makes every rebuild of the same data a different tokenizer to
+    checkpoint.tokenizer_fingerprint, and every run trained on it impossible to resume. Edited on the wire
+    format because the protobuf package is not a dependency; these fields are optional, encoding never reads
+    them."""
+    out = bytearray()
+    for number, field, payload in _proto_fields(data):
+        if number == SPM_TRAINER_SPEC:
+            spec = b"".join(f for n, f, _ in _proto_fields(payload) if n not in SPM_MACHINE_FIELDS)
+            field = _varint(SPM_TRAINER_SPEC << 3 | 2) + _varint(len(spec)) + spec
+        out += field
+    return bytes(out)
+
+
 class BpeTokenizer(Tokenizer):
     """One SentencePiece BPE model for both languages, so embeddings can be shared (§3.4; §5.1 shared vocab).
 
@@ -161,10 +229,12 @@ class BpeTokenizer(Tokenizer):
                 unk_piece=SPECIALS[1], bos_piece=SPECIALS[2], eos_piece=SPECIALS[3],
                 input_sentence_size=cfg.sample_size, shuffle_input_sentence=True, num_threads=threads,
                 minloglevel=2)
-        except RuntimeError as e:
-            raise UserError(f"SentencePiece training failed: {e}; try another data.vocab_size") from None
+        except (RuntimeError, ValueError) as e:  # ValueError: a setting it cannot parse (vocab_size >= 2**31)
+            raise UserError(f"SentencePiece training failed: {_spm_reason(e)}; try another data.vocab_size") from None
         finally:
             sample.unlink(missing_ok=True)
+        model = folder / "spm.model"
+        model.write_bytes(_reproducible_spm_model(model.read_bytes()))
         return {"kind": "bpe", "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "lowercase": False,
                 "files": ["spm.model", "spm.vocab"]}
 
@@ -181,6 +251,22 @@ class BpeTokenizer(Tokenizer):
         return self.sp.decode(ids)
 
 
+def _spm_reason(e: Exception) -> str:
+    """SentencePiece's message without its C++ source location and check expression (noise to a user)."""
+    text = " ".join(str(e).split())
+    return text.rsplit("] ", 1)[-1] if "src/" in text else text
+
+
+def _spacy_tokenizer(lang: str):
+    """spacy.blank(lang).tokenizer, or one line when spaCy lacks the language or its extra packages (ja, ko)."""
+    try:
+        import spacy  # imported here: a second or two that the bpe path does not need
+
+        return spacy.blank(lang).tokenizer
+    except ImportError as e:
+        raise UserError(f"data.tokenizer=spacy cannot tokenize language '{lang}': {one_line(e)}") from None
+
+
 class SpacyTokenizer(Tokenizer):
     """spaCy's rule-based tokenizer spacy.blank(lang), one word vocabulary per language (min_freq, lowercase).
 
@@ -194,12 +280,11 @@ class SpacyTokenizer(Tokenizer):
 
     def __init__(self, folder: Path, info: dict):
         super().__init__(folder, info)
-        import spacy  # imported here: a second or two that the bpe path does not need
         from sacremoses import MosesDetokenizer
 
         langs = (self.src_lang, self.tgt_lang)
         self.lowercase = info["lowercase"]
-        self.nlp = {lang: spacy.blank(lang).tokenizer for lang in langs}
+        self.nlp = {lang: _spacy_tokenizer(lang) for lang in langs}
         self.vocab = {lang: json.loads((self.folder / f"vocab.{lang}.json").read_text("utf-8"))
                       for lang in langs}
         self.index = {lang: {w: i for i, w in enumerate(words)} for lang, words in self.vocab.items()}
@@ -213,11 +298,9 @@ class SpacyTokenizer(Tokenizer):
 
     @staticmethod
     def train(folder: Path, cfg: DataConfig, corpus: TrainText, threads: int) -> dict:
-        import spacy
-
         langs = (cfg.src_lang, cfg.tgt_lang)
         for lang in langs:
-            nlp, counts = spacy.blank(lang).tokenizer, Counter()
+            nlp, counts = _spacy_tokenizer(lang), Counter()
             with _bar(corpus.pairs, f"spacy vocab {lang}") as bar:
                 for chunk in _batched(corpus.side(lang), ENCODE_CHUNK):
                     for words in SpacyTokenizer.words(nlp, chunk, cfg.lowercase):
@@ -246,13 +329,44 @@ class SpacyTokenizer(Tokenizer):
 TOKENIZERS = {"bpe": BpeTokenizer, "spacy": SpacyTokenizer}
 
 
-def load_tokenizer(folder) -> Tokenizer:
-    """The tokenizer saved in a prepared data folder or in a run's tokenizer/ folder."""
+def _tokenizer_info(folder) -> dict:
+    """tokenizer.json of a folder, checked: a known kind, both languages, every file it names present."""
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         raise UserError(f"no tokenizer.json in {folder}: need a prepared data folder or RUN_DIR/tokenizer")
-    info = json.loads(path.read_text("utf-8"))
-    return TOKENIZERS[info["kind"]](path.parent, info)
+    try:
+        info = json.loads(path.read_text("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise _damaged_tokenizer(folder, "tokenizer.json is not valid JSON") from None
+    if not isinstance(info, dict) or info.get("kind") not in TOKENIZERS:
+        kind = info.get("kind") if isinstance(info, dict) else None
+        raise _damaged_tokenizer(folder, f"tokenizer.json names no known tokenizer kind ({kind!r})")
+    missing = [k for k in ("src_lang", "tgt_lang", "lowercase", "files") if k not in info]
+    if missing or not isinstance(info["files"], list):
+        raise _damaged_tokenizer(folder, f"tokenizer.json lacks {', '.join(missing) or 'a list of files'}")
+    for name in info["files"]:
+        if not (Path(folder) / str(name)).is_file():
+            raise _damaged_tokenizer(folder, f"{name} is missing")
+    return info
+
+
+def _damaged_tokenizer(folder, what: str) -> UserError:
+    """load_tokenizer also reads a run's tokenizer/ folder, which --force does not rebuild."""
+    if Path(folder).name == "tokenizer":
+        return UserError(f"cannot load the tokenizer in {folder}: damaged ({what}); copy it from the prepared "
+                         "data folder the run was trained on")
+    return damaged(folder, what)
+
+
+def load_tokenizer(folder) -> Tokenizer:
+    """The tokenizer saved in a prepared data folder or in a run's tokenizer/ folder."""
+    info = _tokenizer_info(folder)
+    try:
+        return TOKENIZERS[info["kind"]](Path(folder), info)
+    except UserError:
+        raise
+    except (OSError, ValueError, RuntimeError) as e:  # truncated spm.model, vocab json that is not JSON, ...
+        raise _damaged_tokenizer(folder, one_line(e, 120)) from None
 
 
 # ------------------------------------------------------------------------------------------------- prepare
@@ -426,7 +540,12 @@ def _cache_key(cfg: DataConfig, files: dict) -> tuple[dict, dict, str]:
     else:
         settings.update(min_freq=cfg.min_freq, lowercase=cfg.lowercase)
     cache_file = Path(cfg.prepared_dir) / "input_sha256.json"  # sums of big inputs, by path, size and mtime
-    cache = json.loads(cache_file.read_text("utf-8")) if cache_file.is_file() else {}
+    try:
+        cache = json.loads(cache_file.read_text("utf-8")) if cache_file.is_file() else {}
+    except (UnicodeDecodeError, ValueError):  # only a cache (e.g. cut short by a full disk): compute it again
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
     inputs, known = {}, len(cache)
     for split, sides in files.items():
         for lang, value in sides.items():
@@ -453,10 +572,12 @@ def prepare(cfg: DataConfig, force: bool = False) -> Path:
         raise UserError(f"data.tokenizer '{cfg.tokenizer}' is unknown; use {', '.join(TOKENIZERS)}")
     files = DATASETS[cfg.dataset](cfg)
     settings, inputs, key = _cache_key(cfg, files)
+    _check_distinct_splits(files, inputs)
     vocab = f"{cfg.vocab_size}" if cfg.tokenizer == "bpe" else f"-min{cfg.min_freq}{'-lc' * cfg.lowercase}"
     name = f"{cfg.dataset}_{cfg.src_lang}-{cfg.tgt_lang}_{cfg.tokenizer}{vocab}_{key}"
     folder = Path(cfg.prepared_dir) / name
     if (folder / "meta.json").is_file() and not force:
+        check_prepared(folder)
         print(f"using prepared data {folder} (--force rebuilds it)")
         return folder
     tmp = temp_path(folder)  # a whole folder built aside, renamed when complete
@@ -475,6 +596,35 @@ def prepare(cfg: DataConfig, force: bool = False) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     print_summary(meta, folder)
     return folder
+
+
+def _check_distinct_splits(files: dict, inputs: dict) -> None:
+    """Validation or test text identical to the training text (the same file given twice, or a copy) would
+    silently measure memorization: refuse it."""
+    sha = {v["path"]: v["sha256"] for v in inputs.values()}
+
+    def sums(split):
+        return [sha[str(path)] for side in files[split].values() for path in file_list(side)]
+
+    empty = hashlib.sha256(b"").hexdigest()  # no training text is reported later, by its own check
+    for split in files:
+        if split != "train" and sums(split) == sums("train") and set(sums("train")) != {empty}:
+            raise UserError(f"split '{split}' has the same text as the training split: validating or testing on "
+                            "training data measures nothing; give other files")
+
+
+def check_prepared(folder: Path) -> None:
+    """What reusing a prepared folder needs, checked cheaply (headers and sizes, no token read): meta.json, the
+    tokenizer (loaded, as its user will next), every split's arrays and the valid/test raw text. Raises
+    damaged(...) otherwise."""
+    meta = load_meta(folder)
+    load_tokenizer(folder)
+    for split in meta["splits"]:
+        load_split(folder, split)
+        if split != "train":
+            for lang in (meta["src_lang"], meta["tgt_lang"]):
+                if not (folder / f"{split}.{lang}.txt").is_file():
+                    raise damaged(folder, f"{split}.{lang}.txt is missing")
 
 
 def _build(cfg: DataConfig, files: dict, folder: Path) -> dict:
@@ -557,19 +707,48 @@ class Split:
         return self.src_tokens[s[i] : s[i + 1]], self.tgt_tokens[t[i] : t[i + 1]]
 
 
+META_KEYS = ("format", "src_lang", "tgt_lang", "src_vocab_size", "tgt_vocab_size", "dtype", "valid_split",
+             "test_splits", "splits")
+
+
 def load_meta(folder) -> dict:
     """meta.json of a prepared folder: vocab sizes, split names (valid_split, test_splits), counts, inputs."""
     path = Path(folder) / "meta.json"
     if not path.is_file():
         raise UserError(f"{folder} is not a prepared data folder (no meta.json): run data_preparation.py")
-    return json.loads(path.read_text("utf-8"))
+    try:
+        meta = json.loads(path.read_text("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise damaged(folder, "meta.json is not valid JSON") from None
+    if not isinstance(meta, dict) or any(key not in meta for key in META_KEYS):
+        raise damaged(folder, "meta.json lacks entries")
+    if meta["format"] != FORMAT_VERSION:
+        raise damaged(folder, f"meta.json has format {meta['format']}, this code reads {FORMAT_VERSION}")
+    if not isinstance(meta["splits"], dict) or not all(isinstance(s, dict) and isinstance(s.get("pairs"), int)
+                                                       for s in meta["splits"].values()):
+        raise damaged(folder, "meta.json lacks the pair counts of its splits")
+    return meta
 
 
 def load_split(prepared_dir, split: str) -> Split:
-    splits = load_meta(prepared_dir)["splits"]
+    """One split, checked against meta.json: arrays present, whole, of the recorded dtype and pair count."""
+    meta = load_meta(prepared_dir)
+    splits = meta["splits"]
     if split not in splits:
         raise UserError(f"no split '{split}' in {prepared_dir}; it has {', '.join(splits)}")
-    return Split(Path(prepared_dir), split)
+    try:
+        data = Split(Path(prepared_dir), split)
+    except FileNotFoundError as e:
+        raise damaged(prepared_dir, f"{Path(e.filename).name} is missing") from None
+    except (OSError, ValueError, EOFError) as e:  # np.load of a truncated or overwritten .npy
+        raise damaged(prepared_dir, f"an array of split '{split}' is unreadable: {one_line(e, 100)}") from None
+    for side in ("src", "tgt"):
+        tokens, offsets = getattr(data, f"{side}_tokens"), getattr(data, f"{side}_offsets")
+        whole = (offsets.ndim == 1 and len(offsets) == splits[split]["pairs"] + 1 and offsets[0] == 0
+                 and offsets[-1] == len(tokens) and tokens.dtype.name == meta["dtype"])
+        if not whole:
+            raise damaged(prepared_dir, f"{split}.{side} arrays do not match meta.json")
+    return data
 
 
 def read_raw(prepared_dir, split: str, lang: str) -> list[str]:
