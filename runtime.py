@@ -131,14 +131,16 @@ def write_target(path: Path) -> tuple[Path, bool]:
     link would replace the link, and next to the link it may sit on another disk than the target). Only a
     regular file or a new path is replaced: renaming onto a device, FIFO or socket would swap the node itself
     for a regular file (as root, /dev/null!) and a FIFO's reader would wait forever; those are written in place."""
-    target = Path(os.path.realpath(path))
     try:
-        mode = target.stat().st_mode
-    except FileNotFoundError:
-        return target, True
+        mode = path.stat().st_mode  # follows symlinks
+    except FileNotFoundError:  # a new file, or a dangling symlink: created at the link's target
+        return Path(os.path.realpath(path)), True
     except OSError:  # a symlink loop, a component that is not a folder: opening the path reports it
         return path, True
-    return target, stat.S_ISREG(mode)
+    if not stat.S_ISREG(mode):
+        # opened through the link itself: /dev/stdout's target, /proc/self/fd/1 -> 'pipe:[123]', has no usable name
+        return path, False
+    return Path(os.path.realpath(path)), True
 
 
 def _name_the_file(e: OSError, path: Path, tmp: Path) -> OSError:
