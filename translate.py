@@ -322,6 +322,14 @@ def plot_path(args: argparse.Namespace, checkpoint: Path, output: Path | None) -
     return p
 
 
+def plot_layers(args: argparse.Namespace, model_cfg) -> None:
+    """--layer and --head within the model, checked before translating."""
+    if args.layer is not None and not 1 <= args.layer <= model_cfg.n_dec_layers:
+        raise UserError(f"--layer {args.layer} is out of range: the decoder has layers 1..{model_cfg.n_dec_layers}")
+    if args.head is not None and not 1 <= args.head <= model_cfg.n_heads:
+        raise UserError(f"--head {args.head} is out of range: the model has heads 1..{model_cfg.n_heads}")
+
+
 def output_error(e: OSError, output: Path) -> UserError:
     """A failed write of --output as one line naming the file (disk full is the usual cause)."""
     full = e.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -362,6 +370,8 @@ def translate(argv) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer, cfg = load_checkpoint(args.checkpoint, device)
     opts = search_options(args, cfg, device)
+    if args.plot_attention:  # plot_attention checks them too, but only after the translation was printed
+        plot_layers(args, cfg.model)
 
     def translate_lines(lines: list[str], progress: bool, first_line: int = 1) -> list:
         more = dict(opts, progress=progress, first_line=first_line)
