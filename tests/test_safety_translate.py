@@ -306,6 +306,8 @@ def decoding_model():
     (["--threads", "100000", "A dog."], "--threads must be between 1 and"),
     (["--output", "", "A dog."], "--output is empty"),
     (["--reference", "REF", "A dog.", "Two men."], "--reference has 1 lines but there are 2 sentences"),
+    (["--layer", "0", "--plot-attention", "a.png", "A dog."], "--layer 0 is out of range"),
+    (["--head", "9", "--plot-attention", "a.png", "A dog."], "--head 9 is out of range"),
 ])
 def test_bad_arguments_fail_before_translating(args, message, run_dir, tmp_path):  # noqa: F811
     ref = tmp_path / "ref.de"
@@ -314,3 +316,16 @@ def test_bad_arguments_fail_before_translating(args, message, run_dir, tmp_path)
     err = proc.stderr.decode()
     assert proc.returncode == 2 and proc.stdout == b"", err  # nothing translated first
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_output_through_a_link_to_a_pipe_writes_the_pipe(run_dir, tmp_path):  # noqa: F811
+    """A link like /dev/stdout -> /proc/self/fd/1 -> 'pipe:[N]' (its target has no usable name) is written
+    through the link (our own link: the real /dev/stdout is never touched). Before: the link was replaced."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs Linux /proc")
+    link = tmp_path / "stdout"
+    link.symlink_to("/proc/self/fd/1")
+    proc = cli("--checkpoint", run_dir, "--output", link, *SENTENCES)  # the child's stdout is a pipe
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode("utf-8") == expected_text(run_dir)
+    assert link.is_symlink() and temp_files(tmp_path) == []
