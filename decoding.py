@@ -17,6 +17,10 @@ Policies, in one place:
 - Every character is passed to the tokenizer as is (control characters, emoji, any script); a translation
   that decodes to a line break of any kind (\r, \v, \f, U+0085, U+2028...) has it replaced by a space.
 - pad and bos are never generated (their log-probabilities are set to -inf, without renormalising).
+- n-best lists have exactly nbest entries per sentence, best first: the hypotheses finished with eos (at the
+  maximum length, every live beam is ended there with its score). Only if the search holds fewer distinct
+  hypotheses (a beam wider than the vocabulary allows within a short length bound) is the list filled with
+  empty entries scored -inf. An empty source line gives the single entry ([], 0.0).
 - Beam stopping rule (fairseq's): a sentence is done as soon as `beam` finished hypotheses are collected, or
   when its maximum length is reached. Only eos candidates ranked within the top `beam` of a step are kept, and
   the next beams are the best `beam` non-eos candidates among the top 2*beam, so finished hypotheses never
@@ -48,9 +52,12 @@ LINE_BREAKS = re.compile("[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]")  # all that str.
 def max_lengths(model, src_mask: torch.Tensor, max_len_a: float, max_len_b: float) -> torch.Tensor:
     """(B,) longest output per sentence: int(a * src_len + b) (§6.1: src_len + 50), capped by positions."""
     src_len = src_mask.sum(dim=1).double()  # (B,) real source tokens, eos included
-    lengths = (max_len_a * src_len + max_len_b).floor().long().clamp(min=0)
     limit = getattr(getattr(model, "cfg", None), "max_positions", None)
-    return lengths.clamp(max=limit - 1) if limit else lengths
+    cap = limit - 1 if limit else 2**62
+    # clamp before the casts: a huge a (1e300) cast to int64 wrapped around, which made the length 0, and a
+    # huge integer b (10**30) does not fit a tensor
+    lengths = (max_len_a * src_len + min(max_len_b, cap)).floor()
+    return lengths.clamp(min=0, max=cap).long()
 
 
 def next_log_probs(model, tokens: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache):
@@ -114,10 +121,11 @@ def _pick(lprobs: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Ten
     A sentence's 2k best continuations are among the 2k best tokens of each of its beams: select those first,
     so the beam scores (N,k) are added to (N*k,2k) numbers instead of the whole (N*k,V) table."""
     n = scores.size(0)
-    row_lp, row_tok = lprobs.topk(2 * k, dim=1)  # (N*k,2k)
-    cand = (scores.view(-1, 1) + row_lp).view(n, k * 2 * k)  # (N*k,1)+(N*k,2k) -> (N,k*2k)
+    per_row = min(2 * k, lprobs.size(1))  # a beam wider than half the vocabulary: every token of each row
+    row_lp, row_tok = lprobs.topk(per_row, dim=1)  # (N*k,r)
+    cand = (scores.view(-1, 1) + row_lp).view(n, k * per_row)  # (N*k,1)+(N*k,r) -> (N,k*r)
     cand_scores, cand_idx = cand.topk(2 * k, dim=1)  # (N,2k)
-    return cand_scores, cand_idx // (2 * k), row_tok.view(n, k * 2 * k).gather(1, cand_idx)
+    return cand_scores, cand_idx // per_row, row_tok.view(n, k * per_row).gather(1, cand_idx)
 
 
 def _update_finished(finished: list, sent: torch.Tensor, tokens: torch.Tensor, n_done: torch.Tensor,
@@ -198,8 +206,10 @@ def beam_search(model, src: torch.Tensor, beam: int, len_penalty: float, max_len
         t += 1
     results = []
     for hyps in finished:
-        hyps = sorted(hyps, key=lambda h: -h[1]) or [([], NEG_INF)]  # stable: ties keep their rank order
-        results.append(hyps[:nbest])
+        hyps = sorted(hyps, key=lambda h: -h[1])  # stable: ties keep their rank order
+        # Exactly nbest entries: fewer distinct hypotheses exist only when the vocabulary (less pad and bos)
+        # is smaller than the beam and the length bound is short; the rest are ([], -inf), no hypothesis.
+        results.append((hyps + [([], NEG_INF)] * nbest)[:nbest])
     return results
 
 

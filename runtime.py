@@ -3,7 +3,8 @@
 - UserError and cli_main: a mistake the user can fix is one line on stderr and exit status 2, never a traceback.
 - resolve_device: which torch device a device string means here, with one clear error if it cannot be used.
 - native_bf16 / resolve_precision / autocast: bf16 only where the hardware computes it natively.
-- atomic_write: a file appears complete or not at all (temp file in the same folder, then rename).
+- atomic_write: a file appears complete or not at all (temp file in the same folder, then rename); a symlink's
+  target is written, a device or FIFO in place; errors name the file, not the temp file.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import sys
 import traceback
 import uuid
@@ -131,29 +133,72 @@ def fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def write_target(path: Path) -> tuple[Path, bool]:
+    """(the file a write to path really writes, whether it may be replaced by a renamed temp file).
+
+    A symlink is followed, so its target gets the text and the link stays a link (a temp file renamed onto the
+    link would replace the link, and next to the link it may sit on another disk than the target). Only a
+    regular file or a new path is replaced: renaming onto a device, FIFO or socket would swap the node itself
+    for a regular file (as root, /dev/null!) and a FIFO's reader would wait forever; those are written in place."""
+    try:
+        mode = path.stat().st_mode  # follows symlinks
+    except FileNotFoundError:  # a new file, or a dangling symlink: created at the link's target
+        return Path(os.path.realpath(path)), True
+    except OSError:  # a symlink loop, a component that is not a folder: opening the path reports it
+        return path, True
+    if not stat.S_ISREG(mode):
+        # opened through the link itself: /dev/stdout's target, /proc/self/fd/1 -> 'pipe:[123]', has no usable name
+        return path, False
+    return Path(os.path.realpath(path)), True
+
+
+def _name_the_file(e: OSError, path: Path, tmp: Path) -> OSError:
+    """The error of a write to tmp, told about path: the user knows the output file, not our temp name. An
+    error without a file name (a write or flush failing: disk full, quota, I/O error) is about the file too."""
+    if e.filename not in (None, str(tmp)):
+        return e
+    return OSError(e.errno, e.strerror or str(e), str(path))  # OSError(errno, ...) picks the subclass
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "w", durable: bool = False, **open_args) -> Iterator[IO]:
     """Open a temp file next to path; on success rename it onto path, on any failure (an exception, Ctrl-C, a
     signal turned into SystemExit) delete it. Readers see the old file or the new one, never half of one.
 
+    A symlink is followed and its target written the same way; a device, FIFO or socket is opened and written
+    in place (see write_target). An OSError names path, never the temp file.
     durable: fsync the file and the rename (checkpoints: a power cut must not leave a truncated file)."""
     path = Path(path)
     if "b" not in mode:
         open_args.setdefault("encoding", "utf-8")
-    tmp = temp_path(path)
+    target, replace = write_target(path)
+    if not replace:
+        try:
+            with open(target, mode, **open_args) as f:
+                yield f
+        except OSError as e:
+            named = _name_the_file(e, path, target)
+            if named is e:
+                raise
+            raise named from e
+        return
+    tmp = temp_path(target)
     try:
         with open(tmp, mode, **open_args) as f:
             yield f
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        os.replace(tmp, target)
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise
+        named = _name_the_file(e, path, tmp) if isinstance(e, OSError) else e
+        if named is e:
+            raise
+        raise named from e
     if durable:
-        fsync_dir(path.parent)
+        fsync_dir(target.parent)
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -24,6 +27,8 @@ from data_preparation import BOS_ID, EOS_ID
 from decoding import clean, encode_sources, search_texts, source_limit, translate_nbest, translate_texts
 from runtime import UserError, atomic_write, cli_main, resolve_device
 from scoring import format_scores, score
+
+BOM = "\ufeff"
 
 # ---------------------------------------------------------------- attention heatmap
 
@@ -86,7 +91,9 @@ def plot_attention(model, tokenizer, text: str, tokens: list[int], out_path, lay
     fig.suptitle(f"cross-attention, decoder layer {layer} of {n_layers}", fontsize=11)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=120)
+    fmt = out_path.suffix[1:].lower() or "png"  # a file object carries no suffix for matplotlib to go by
+    with atomic_write(out_path, "wb") as f:
+        fig.savefig(f, format=fmt, dpi=120)
     return out_path
 
 
@@ -107,7 +114,11 @@ an empty line). With --nbest N each input gives N lines "INDEX<TAB>SCORE<TAB>TRA
 counting input lines from 0. With --reference the scores follow the translations on standard output (a table,
 or one JSON line with --json); use --output to keep the translations out of the way. Lines longer than the
 model's max_positions tokens are truncated with a warning. --output is written to a temporary file renamed at
-the end, so a failed run leaves an earlier file of that name untouched. --debug shows the traceback of an error."""
+the end, so a failed or killed run leaves an earlier file of that name untouched (a symlink's target is written
+that way; a FIFO or device is written in place); it may not be a file the command reads. A byte order mark at
+the start of the input is ignored. An n-best list may end with "-inf" filler lines when fewer distinct
+hypotheses exist (a beam wider than the vocabulary allows within the length bound); an empty input line gives
+one empty line. --debug shows the traceback of an error."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,23 +168,48 @@ def read_lines(path) -> list[str]:
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise UserError(f"{p} is not UTF-8 text (bad byte on line {line}); convert it (e.g. iconv)") from None
-    lines = text.split("\n")
+    lines = text.removeprefix(BOM).split("\n")  # a BOM (Windows editors) is no part of the first sentence
     if lines[-1] == "":
         lines.pop()  # the final newline ends the last line, it does not start a new one
     return [line.removesuffix("\r") for line in lines]
 
 
-def output_path(path, input_path, checkpoint: Path) -> Path:
-    """--output, checked before any work: a file in an existing folder, never the input or a checkpoint."""
+def same_file(a: Path, b: Path) -> bool:
+    """a and b are one file: the same resolved path, or the same inode (a hard link, a symlink, ../ detours)."""
+    try:
+        return a.resolve() == b.resolve() or os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def inputs_of(args: argparse.Namespace, checkpoint: Path) -> list[tuple[str, Path]]:
+    """(flag, file) for every file this command reads: writing one of them would destroy it mid-run."""
+    found = [("--checkpoint", checkpoint), ("--checkpoint (its run's config.yaml)", checkpoint.parent / "config.yaml")]
+    tokenizer = checkpoint.parent / "tokenizer"
+    if tokenizer.is_dir():
+        found += [("--checkpoint (its tokenizer/ folder)", f) for f in sorted(tokenizer.iterdir())]
+    if args.input:
+        found.append(("--input", Path(args.input)))
+    if args.reference and Path(args.reference).is_file():
+        found.append(("--reference", Path(args.reference)))
+    return found
+
+
+def output_path(path, args: argparse.Namespace, checkpoint: Path, flag: str = "--output") -> Path:
+    """--output (or --plot-attention), checked before any work: a file in an existing folder, never a file the
+    command reads (compared by path and inode, so a hard link or a symlink to an input counts too)."""
+    if not path:
+        raise UserError(f"{flag} is empty, expected a file path")
     p = Path(path)
     if p.is_dir():
-        raise UserError(f"--output {p} is a directory, expected a file path")
+        raise UserError(f"{flag} {p} is a directory, expected a file path")
     if not p.parent.is_dir():
-        raise UserError(f"--output {p}: the folder {p.parent} does not exist")
-    if p.exists() and (p.resolve() == checkpoint.resolve() or p.suffix == ".pt"):
-        raise UserError(f"--output {p} is a checkpoint file: refusing to write translations over it")
-    if p.exists() and input_path and p.resolve() == Path(input_path).resolve():
-        raise UserError(f"--output {p} is also the --input file: write the translations to another file")
+        raise UserError(f"{flag} {p}: the folder {p.parent} does not exist")
+    for what, file in inputs_of(args, checkpoint):
+        if same_file(p, file):
+            raise UserError(f"{flag} {p} is also the {what} file: write to another file")
+    if p.exists() and p.suffix == ".pt":
+        raise UserError(f"{flag} {p} is a checkpoint file: refusing to write over it")
     return p
 
 
@@ -212,6 +248,8 @@ def stdin_lines():
             raise UserError(f"standard input is not UTF-8 text (line {number})") from None
         if line == "":
             return
+        if number == 1:
+            line = line.removeprefix(BOM)
         yield line.removesuffix("\n").removesuffix("\r")
         number += 1
 
@@ -228,7 +266,9 @@ def search_options(args: argparse.Namespace, cfg, device: torch.device) -> dict:
     checks = [(opts["beam"] >= 1, "--beam must be >= 1"),
               (1 <= args.nbest <= opts["beam"], f"--nbest must be between 1 and the beam ({opts['beam']})"),
               (opts["batch_tokens"] >= 1, "--batch-tokens must be >= 1"),
-              (opts["max_len_a"] >= 0 and opts["max_len_b"] >= 0, "--max-len-a and --max-len-b must be >= 0"),
+              (opts["max_len_a"] >= 0, "--max-len-a must be >= 0"),
+              # at least one token, as decode.max_len_b: a bound of 0 allows only the empty translation
+              (opts["max_len_b"] >= 1, "--max-len-b must be >= 1"),
               (args.max_src_len is None or args.max_src_len >= 2, "--max-src-len must be >= 2")]
     for ok, message in checks:
         if not ok:
@@ -252,22 +292,86 @@ def write_translations(out, translate_lines, sources: list[str] | None, nbest: i
     return best
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """argparse's float() takes 'nan', 'inf' and 1e999: a NaN length penalty scores every hypothesis NaN, an
+    infinite length factor makes no bound at all. Refused before any work."""
+    for flag, value in (("--len-penalty", args.len_penalty), ("--max-len-a", args.max_len_a)):
+        if value is not None and not math.isfinite(value):
+            raise UserError(f"{flag} must be a finite number, got {value}")
+    if args.threads is not None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        # torch/OpenMP crashes (segfault) on absurd counts, and more threads than CPUs only slow it down
+        if not 1 <= args.threads <= cpus:
+            raise UserError(f"--threads must be between 1 and the {cpus} CPU(s) this process may use")
+
+
+def plot_path(args: argparse.Namespace, checkpoint: Path, output: Path | None) -> Path:
+    """--plot-attention, checked before translating: an image format matplotlib writes, not a file we read."""
+    p = Path(args.plot_attention)
+    if p.is_dir():
+        raise UserError(f"--plot-attention {p} is a directory, expected an image file path")
+    for what, file in inputs_of(args, checkpoint) + ([("--output", output)] if output else []):
+        if same_file(p, file):
+            raise UserError(f"--plot-attention {p} is also the {what} file: write to another file")
+    from matplotlib.figure import Figure  # only when plotting: matplotlib takes a while to import
+
+    formats = Figure().canvas.get_supported_filetypes()  # matplotlib raised this only after the translation
+    if p.suffix and p.suffix[1:].lower() not in formats:
+        raise UserError(f"--plot-attention {p}: matplotlib cannot write '{p.suffix}' images; use one of "
+                        f"{', '.join(sorted(formats))}")
+    return p
+
+
+def plot_layers(args: argparse.Namespace, model_cfg) -> None:
+    """--layer and --head within the model, checked before translating."""
+    if args.layer is not None and not 1 <= args.layer <= model_cfg.n_dec_layers:
+        raise UserError(f"--layer {args.layer} is out of range: the decoder has layers 1..{model_cfg.n_dec_layers}")
+    if args.head is not None and not 1 <= args.head <= model_cfg.n_heads:
+        raise UserError(f"--head {args.head} is out of range: the model has heads 1..{model_cfg.n_heads}")
+
+
+def output_error(e: OSError, output: Path) -> UserError:
+    """A failed write of --output as one line naming the file (disk full is the usual cause)."""
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    reason = "the disk is full (no space left on device)" if full else (e.strerror or str(e))
+    return UserError(f"cannot write --output {output}: {reason}")
+
+
 def main(argv=None) -> int:
+    """The command; SIGTERM and SIGHUP (kill, a closed terminal) end it through SystemExit like Ctrl-C does
+    through KeyboardInterrupt, so atomic_write deletes its temp file instead of leaving NAME.tmpXXXX."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        return translate(argv)
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    before = {sig: signal.signal(sig, terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return translate(argv)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def translate(argv) -> int:
     args = build_parser().parse_intermixed_args(argv)  # sentences before and after options
     if args.text and args.input:
         raise UserError("give sentences as arguments or --input FILE, not both")
     if args.plot_attention and len(args.text) != 1:
         raise UserError("--plot-attention needs exactly one sentence given as an argument")
+    check_numbers(args)
     device = resolve_device(args.device, "--device")
-    output = output_path(args.output, args.input, find_checkpoint(args.checkpoint)) if args.output else None
-    if args.plot_attention and Path(args.plot_attention).is_dir():
-        raise UserError(f"--plot-attention {args.plot_attention} is a directory, expected an image file path")
+    ckpt_file = find_checkpoint(args.checkpoint)
+    output = output_path(args.output, args, ckpt_file) if args.output is not None else None
+    if args.plot_attention is not None:
+        plot_path(args, ckpt_file, output)
     if args.threads is not None:
-        if args.threads < 1:
-            raise UserError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
     model, tokenizer, cfg = load_checkpoint(args.checkpoint, device)
     opts = search_options(args, cfg, device)
+    if args.plot_attention:  # plot_attention checks them too, but only after the translation was printed
+        plot_layers(args, cfg.model)
 
     def translate_lines(lines: list[str], progress: bool, first_line: int = 1) -> list:
         more = dict(opts, progress=progress, first_line=first_line)
@@ -280,6 +384,8 @@ def main(argv=None) -> int:
         sources = args.text
     elif args.input:
         sources = read_lines(args.input)
+    if refs is not None and sources is not None and len(refs) != len(sources):  # found now, not after the work
+        raise UserError(f"--reference has {len(refs)} lines but there are {len(sources)} sentences to translate")
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")
     try:
@@ -288,6 +394,10 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # e.g. piped into `head`: stop quietly, like other command-line tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as e:
+        if output is None or e.filename != str(output):  # atomic_write names the output in its errors
+            raise
+        raise output_error(e, output) from e
     sys.stdout.flush()
     if args.plot_attention:
         if not sources[0].strip():
