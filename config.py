@@ -256,6 +256,8 @@ def validate(cfg: Config) -> Config:
          f"train.precision '{t.precision}' is unknown (auto|fp32|bf16|fp16)"),
         (t.eval_every >= 1 and t.log_every >= 1, "train.eval_every and train.log_every must be >= 1"),
         (t.keep_last >= 1, "train.keep_last must be >= 1"),
+        (t.out_dir.strip() != "", "train.out_dir is empty; give the folder for the run"),  # "" means the cwd
+        (t.eval_bleu_sentences >= 0, "train.eval_bleu_sentences must be >= 0 (0 = the whole validation split)"),
         (t.average_last >= 0 and t.max_bad_steps >= 1, "train.average_last must be >= 0, train.max_bad_steps >= 1"),
         (dec.beam >= 1, "decode.beam must be >= 1"),
         # beam search ranks 2*beam candidates among the tokens it can emit (all but <pad> and <bos>)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 from conftest import FIXTURES, ROOT
-from test_robustness import ENV, MAX_STEPS, assert_user_error, run_main, script, snapshot, train_args
+from test_robustness import ENV, MAX_STEPS, RUN_OVERRIDES, assert_user_error, run_main, script, snapshot, train_args
 
 import checkpoint
 import train_transformer as tt
@@ -313,3 +313,27 @@ def test_resume_on_a_folder_without_a_run_says_to_start_without_it(tmp_path, tra
     status, out, err = run_main(tt.main, train_args(tmp_path / "new", trained[1], "--resume"), capsys, monkeypatch)
     assert_user_error(status, err, "no run to resume")
     assert not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------- probes that gave a silently wrong result
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.out_dir=", "train.out_dir is empty"),  # was: a whole run written into the current folder
+    ("train.eval_bleu_sentences=-3", "train.eval_bleu_sentences must be >= 0"),  # was: all but the last 3 scored
+])
+def test_values_that_trained_into_the_wrong_place_or_scored_the_wrong_sentences(override, message, tmp_path,
+                                                                               capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = [f"data.train_prefix={FIXTURES / 'train'}", f"data.valid_prefix={FIXTURES / 'val'}",
+            f"data.test_prefixes=[{FIXTURES / 'test'}]"]  # absolute: the run starts in an empty folder
+    status, out, err = run_main(tt.main, ["--config", ROOT / "configs/tiny.yaml", *data, "data.prepared_dir=prepared",
+                                          *RUN_OVERRIDES[1:], override], capsys, monkeypatch)
+    assert_user_error(status, err, message)
+    assert not list(tmp_path.iterdir())
+
+
+def test_overrides_may_follow_a_flag():
+    """`--resume train.max_steps=50` was an argparse error ('unrecognized arguments')."""
+    args = tt.parse_args(["--config", "c.yaml", "train.seed=2", "--resume", "train.max_steps=50"])
+    assert args.resume and {"train.seed=2", "train.max_steps=50", "train.resume=true"} <= set(args.overrides)
