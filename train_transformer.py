@@ -539,6 +539,9 @@ def average_command(args: argparse.Namespace) -> None:
         raise UserError(f"no checkpoint_step*.pt files in {run_dir}")
     out = Path(args.output) if args.output else run_dir / "checkpoint_avg.pt"
     check_average_output(out)
+    if len(paths) < args.last:  # the run kept fewer (train.keep_last): say so rather than pass it off as asked
+        print(f"warning: {run_dir} has only {len(paths)} step checkpoint(s); averaging {len(paths)}, not "
+              f"--last {args.last}", file=sys.stderr)
     save_checkpoint(average_checkpoints(paths), out)
     print(f"averaged {', '.join(p.name for p in paths)} -> {out}")
 

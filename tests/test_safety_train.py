@@ -337,3 +337,8 @@ def test_overrides_may_follow_a_flag():
     """`--resume train.max_steps=50` was an argparse error ('unrecognized arguments')."""
     args = tt.parse_args(["--config", "c.yaml", "train.seed=2", "--resume", "train.max_steps=50"])
     assert args.resume and {"train.seed=2", "train.max_steps=50", "train.resume=true"} <= set(args.overrides)
+
+
+def test_average_says_when_the_run_kept_fewer_checkpoints_than_asked(run_copy, capsys, monkeypatch):
+    status, out, err = run_main(tt.main, ["--average", run_copy, "--last", "5"], capsys, monkeypatch)
+    assert status == 0 and "has only 2 step checkpoint(s); averaging 2, not --last 5" in err, err
