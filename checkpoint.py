@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -20,11 +21,12 @@ import torch
 import data_preparation as dp
 from config import Config, config_from_dict
 from runtime import UserError, atomic_write, one_line
-from transformer_model import Transformer
+from transformer_model import ModelConfig, Transformer
 
 FULL_STATE = ("optimizer", "scaler", "epoch", "batch_in_epoch", "best_bleu", "bad_evals", "skipped_steps",
               "train_seconds", "rng")  # what resuming needs beyond the weights
 CHECKPOINT_ORDER = ("checkpoint_avg.pt", "checkpoint_best.pt", "checkpoint_last.pt")  # tried in this order
+TRAINING_CHECKPOINT = re.compile(r"checkpoint_(last|best|step\d+)\.pt")  # what the trainer writes and reads back
 
 
 def save_checkpoint(state: dict, path: Path) -> None:
@@ -35,6 +37,31 @@ def save_checkpoint(state: dict, path: Path) -> None:
             torch.save(state, f)
     except OSError as e:
         raise UserError(f"could not write {path}: {e.strerror or e}; the previous checkpoint is intact") from None
+    except RuntimeError as e:  # torch's zip writer reports a failed write (a full disk) as RuntimeError
+        raise UserError(f"could not write {path}: {one_line(e, 120)}; the disk may be full; the previous "
+                        "checkpoint is intact") from None
+
+
+def check_average_output(path: Path) -> None:
+    """--average must never replace what a run resumes or reports from: a training checkpoint (by its name, in
+    any folder) or any file holding optimizer state. An existing file that is no checkpoint is not ours to
+    replace either."""
+    path = Path(path)
+    if TRAINING_CHECKPOINT.fullmatch(path.name):
+        raise UserError(f"--output {path}: refusing to overwrite a training checkpoint with averaged weights; "
+                        "choose another file name (default RUN_DIR/checkpoint_avg.pt)")
+    if path.is_dir():
+        raise UserError(f"--output {path} is a directory, expected a file name")
+    if path.exists():
+        try:  # mmap: only the small pickle is read, not gigabytes of tensors
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - unreadable as a checkpoint: some other file
+            state = None
+        if not (isinstance(state, dict) and isinstance(state.get("model"), dict)):
+            raise UserError(f"--output {path} exists and is not a checkpoint; refusing to overwrite it")
+        if "optimizer" in state:
+            raise UserError(f"--output {path} holds a training state (optimizer); refusing to overwrite it with "
+                            "averaged weights")
 
 
 def read_checkpoint(path: Path) -> dict:
@@ -131,12 +158,33 @@ def tokenizer_fingerprint(folder) -> str:
     return digest.hexdigest()
 
 
+def parameter_bytes(m: ModelConfig) -> int:
+    """A lower bound of the fp32 parameter bytes of a model config, computed without building it: embeddings,
+    output projection, and per layer the query/output projections of each attention and the feed-forward."""
+    d = m.d_model
+    embeddings = m.tgt_vocab_size * d + (0 if m.share_embeddings else m.src_vocab_size * d)
+    output = 0 if (m.tie_output or m.share_embeddings) else m.tgt_vocab_size * d
+    ffn = 2 * d * m.d_ff
+    return 4 * (embeddings + output + m.n_enc_layers * (2 * d * d + ffn) + m.n_dec_layers * (4 * d * d + ffn))
+
+
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not every system names these
+        return None
+
+
 def load_model(ckpt: dict, file: Path) -> tuple[Transformer, Config]:
     """The model (on the CPU, eval mode) and config that a checkpoint dict describes."""
     if not isinstance(ckpt.get("config"), dict):
         raise UserError(f"{file} is not a checkpoint of this project (no 'config' entry)")
     try:
         cfg = config_from_dict(ckpt["config"])
+        need, ram = parameter_bytes(cfg.model), physical_memory()
+        if ram and need > ram:  # building it would die in the allocator (or wake the OOM killer), not with a message
+            raise UserError(f"its model needs at least {need / 2**30:.1f} GiB for the weights, more than the "
+                            f"{ram / 2**30:.1f} GiB of memory here")
         model = Transformer(cfg.model)
     except (UserError, ValueError, TypeError) as e:
         raise UserError(f"checkpoint {file} holds an unusable config: {one_line(e)}") from None

@@ -82,8 +82,10 @@ class TrainConfig:
     average_last: int = 5  # the final model averages the last N step checkpoints (0 or 1 = no averaging)
     log_every: int = 50
     save_every: int = 0  # also rewrite checkpoint_last.pt every N steps (0 = only at evaluations)
-    resume: bool = False  # continue the run in out_dir from its checkpoint_last.pt (or --resume)
-    overwrite: bool = False  # replace the run in out_dir (or --overwrite)
+    # Run control, actions of one command (--resume, --overwrite), never saved with a run (rundir.RUN_CONTROL);
+    # the trainer ignores them in a config file.
+    resume: bool = False  # continue the run in out_dir from its checkpoint_last.pt
+    overwrite: bool = False  # replace the run in out_dir
     max_bad_steps: int = 10  # non-finite losses in a row before training stops
 
 
@@ -301,8 +303,15 @@ def validate(cfg: Config) -> Config:
          f"train.precision '{t.precision}' is unknown (auto|fp32|bf16|fp16)"),
         (t.eval_every >= 1 and t.log_every >= 1, "train.eval_every and train.log_every must be >= 1"),
         (t.keep_last >= 1, "train.keep_last must be >= 1"),
+        (t.out_dir.strip() != "", "train.out_dir is empty; give the folder for the run"),  # "" means the cwd
+        (t.eval_bleu_sentences >= 0, "train.eval_bleu_sentences must be >= 0 (0 = the whole validation split)"),
         (t.average_last >= 0 and t.max_bad_steps >= 1, "train.average_last must be >= 0, train.max_bad_steps >= 1"),
         (dec.beam >= 1, "decode.beam must be >= 1"),
+        # beam search ranks 2*beam candidates among the tokens it can emit (all but <pad> and <bos>)
+        (not cfg.model.tgt_vocab_size or 2 * dec.beam <= cfg.model.tgt_vocab_size - 2,
+         f"decode.beam={dec.beam} is too large for the target vocabulary of {cfg.model.tgt_vocab_size} tokens: "
+         f"beam search needs 2*beam <= {cfg.model.tgt_vocab_size - 2}; use decode.beam <= "
+         f"{max((cfg.model.tgt_vocab_size - 2) // 2, 1)}"),
         (dec.max_len_a >= 0 and dec.max_len_b >= 1, "decode.max_len_a must be >= 0 and decode.max_len_b >= 1"),
         (dec.batch_tokens >= 16, "decode.batch_tokens must be at least 16"),
     ]

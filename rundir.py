@@ -2,13 +2,20 @@
 
 RUN_DIR/ holds config.yaml, tokenizer/, checkpoint_{last,best,avg,stepN}.pt (checkpoint.py), metrics.jsonl
 (one JSON record per evaluation), tensorboard/ (when tensorboard is installed), hyps/, results.json and
-curves.png (evaluation.py).
+curves.png (evaluation.py), and .lock: the run belongs to the one live process that holds its flock.
+
+A run dir is checked twice: once read-only (check_run_dir) so that a refusal leaves every file as it was, and
+again under the lock (claim_run_dir) before anything in it is deleted or written, since another process may
+have changed it in between.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
+import sys
 from pathlib import Path
 
 import yaml
@@ -17,6 +24,54 @@ from config import Config, config_to_dict
 from runtime import UserError, write_text
 
 RUN_FILES = ("config.yaml", "checkpoint_last.pt", "checkpoint_best.pt", "metrics.jsonl", "results.json", "tokenizer")
+# train.resume / train.overwrite are actions of one invocation, not settings of a run: a saved config that kept
+# overwrite: true would delete the finished run the next time someone ran that file.
+RUN_CONTROL = ("resume", "overwrite")
+LOCK_NAME = ".lock"
+_held_locks: dict[Path, int] = {}  # resolved run dir -> open fd; the flock lives as long as the fd (the process)
+
+
+def run_config_dict(cfg: Config) -> dict:
+    """The config as a run dir and its checkpoints keep it: everything but the run-control flags."""
+    d = config_to_dict(cfg)
+    for key in RUN_CONTROL:
+        d["train"].pop(key, None)
+    return d
+
+
+def save_run_config(cfg: Config, path: Path) -> None:
+    """RUN/config.yaml, written atomically: a run killed meanwhile keeps a readable config for resuming."""
+    write_text(path, yaml.safe_dump(run_config_dict(cfg), sort_keys=False))
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Take RUN/.lock (flock, exclusive) for the rest of this process's life, or refuse naming the owner's PID.
+
+    The kernel drops a flock when its holder exits in any way, kill -9 included, so a stale .lock file of a dead
+    process never blocks anyone. Taking it again in the same process is a no-op (tests run main() twice)."""
+    key = run_dir.resolve()
+    if key in _held_locks:
+        return
+    path = run_dir / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(f"cannot create the lock file {path}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(f"train.out_dir {run_dir} is in use by another process (PID {owner}, see {path}); wait "
+                        "for it to finish or stop it, or choose another train.out_dir") from None
+    except OSError as e:  # a file system without flock (some NFS mounts): run unguarded rather than not at all
+        print(f"warning: cannot lock {path} ({e.strerror or e}); make sure no other process uses this run dir",
+              file=sys.stderr)
+        os.close(fd)
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held_locks[key] = fd
 
 
 def partial_files(run_dir: Path) -> list[Path]:
@@ -36,36 +91,65 @@ def load_config_dict(path: Path) -> dict | None:
     return d
 
 
-def prepare_run_dir(cfg: Config, run_dir: Path, rank: int) -> bool:
-    """Create the run dir; returns True when resuming. Refuses to mix two different runs in one folder."""
+def has_run(run_dir: Path) -> bool:
+    return run_dir.is_dir() and (any((run_dir / n).exists() for n in RUN_FILES) or any(run_dir.glob("checkpoint_*.pt")))
+
+
+def check_run_dir(cfg: Config, run_dir: Path) -> bool:
+    """Read-only: may this invocation use run_dir? Returns True when resuming. Refuses to mix two runs in one
+    folder, and says what to do instead (a run that died before its first checkpoint can only be replaced)."""
     t = cfg.train
     last = run_dir / "checkpoint_last.pt"
     if t.resume and t.overwrite:
         raise UserError("train.resume and train.overwrite (--resume, --overwrite) are both set: choose one, not both")
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"train.out_dir {run_dir} is a file, expected a directory")
-    has_run = run_dir.is_dir() and (any((run_dir / n).exists() for n in RUN_FILES)
-                                    or any(run_dir.glob("checkpoint_*.pt")))
     if t.resume:
         if not last.exists():
-            raise UserError(f"train.resume=true but {last} does not exist; start without train.resume")
+            if has_run(run_dir):
+                raise UserError(f"train.resume=true but {last} does not exist: the run stopped before its first "
+                                "checkpoint, so there is nothing to resume; start it over with train.overwrite=true "
+                                "(--overwrite)")
+            raise UserError(f"train.resume=true but {last} does not exist: there is no run to resume in "
+                            f"{run_dir}; start without train.resume")
         old = load_config_dict(run_dir / "config.yaml")
         if old is not None and old.get("model") != config_to_dict(cfg)["model"]:
             raise UserError(f"{run_dir} holds a run with another model config; resume it with its own config.yaml")
         return True
-    if has_run and not t.overwrite:
+    if has_run(run_dir) and not t.overwrite:
+        if not last.exists():
+            raise UserError(f"train.out_dir {run_dir} already holds a run, one without checkpoint_last.pt (it stopped "
+                            "before its first checkpoint): nothing to resume; pass train.overwrite=true "
+                            "(--overwrite) to replace it")
         raise UserError(f"train.out_dir {run_dir} already holds a run; pass train.resume=true (--resume) to continue "
                         "it or train.overwrite=true (--overwrite) to replace it")
-    if rank == 0:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"cannot create train.out_dir {run_dir}: {e.strerror or e}") from None
-        if has_run:
-            for p in [*run_dir.glob("checkpoint_*.pt"), *partial_files(run_dir), run_dir / "metrics.jsonl",
-                      run_dir / "results.json"]:
-                p.unlink(missing_ok=True)
     return False
+
+
+def claim_run_dir(cfg: Config, run_dir: Path, resumed_from: os.stat_result | None = None) -> None:
+    """Rank 0 only: create run_dir, lock it, check it again under the lock, then clear what a replaced run left.
+
+    resumed_from: os.stat of the checkpoint_last.pt this process has loaded; if another process rewrote it
+    before the lock was ours, resuming from the copy in memory would silently lose its steps."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create train.out_dir {run_dir}: {e.strerror or e}") from None
+    lock_run_dir(run_dir)
+    resuming = check_run_dir(cfg, run_dir)
+    last = run_dir / "checkpoint_last.pt"
+    if resuming:
+        now = last.stat()
+        if resumed_from is None or (now.st_ino, now.st_mtime_ns, now.st_size) != (
+                resumed_from.st_ino, resumed_from.st_mtime_ns, resumed_from.st_size):
+            raise UserError(f"{last} was rewritten by another process while this one loaded it; start again to "
+                            "resume from the new one")
+        for p in partial_files(run_dir):
+            p.unlink(missing_ok=True)
+    elif has_run(run_dir):  # train.overwrite=true, checked above
+        for p in [*run_dir.glob("checkpoint_*.pt"), *partial_files(run_dir), run_dir / "metrics.jsonl",
+                  run_dir / "results.json"]:
+            p.unlink(missing_ok=True)
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -3,12 +3,14 @@
     python train_transformer.py --config configs/multi30k_en_de.yaml [section.key=value ...]
     torchrun --nproc_per_node=8 train_transformer.py --config configs/wmt14_en_de_base.yaml
     python train_transformer.py --average RUN_DIR --last 5          # checkpoint averaging as a command
+    python train_transformer.py --report RUN_DIR                    # the final report of a finished run, again
 
 main() builds the pieces (build_trainer: data, tokenizer, model, optimizer, sampler, DDP) and hands them to
 Trainer, which owns the training state and its contract: one update, evaluation, checkpoints, exact resume.
-The final report of a finished run is evaluation.final_report. One process per device; with torchrun the
-model is wrapped in DistributedDataParallel (nccl on GPU, gloo on CPU) and every rank reads its own disjoint
-batches. Only rank 0 writes logs and checkpoints.
+The final report of a finished run is evaluation.final_report; --report RUN_DIR (or --resume of a run that
+reached train.max_steps) writes it again from the checkpoints without training. One process per device; with
+torchrun the model is wrapped in DistributedDataParallel (nccl on GPU, gloo on CPU) and every rank reads its own
+disjoint batches. Only rank 0 writes logs and checkpoints.
 """
 
 from __future__ import annotations
@@ -28,20 +30,30 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 from tqdm import tqdm
 
 import data_preparation as dp
 from checkpoint import (
     average_checkpoints,
+    check_average_output,
     read_resume_state,
     save_checkpoint,
     step_checkpoints,
     tokenizer_fingerprint,
 )
-from config import Config, config_to_dict, load_config, save_config
+from config import Config, load_config, read_yaml, validate
 from evaluation import bleu_on, final_report, valid_loss
 from loss import label_smoothed_nll
-from rundir import MetricsLog, partial_files, prepare_run_dir
+from rundir import (
+    RUN_CONTROL,
+    MetricsLog,
+    check_run_dir,
+    claim_run_dir,
+    lock_run_dir,
+    run_config_dict,
+    save_run_config,
+)
 from runtime import UserError, autocast, cli_main, one_line, resolve_device, resolve_precision
 from transformer_model import Transformer, count_parameters
 
@@ -203,7 +215,7 @@ class Trainer:
     # -- state -------------------------------------------------------------------------------------------------
 
     def state(self, full: bool) -> dict:
-        state = {"model": self.model.state_dict(), "config": config_to_dict(self.cfg), "step": self.step,
+        state = {"model": self.model.state_dict(), "config": run_config_dict(self.cfg), "step": self.step,
                  "tokenizer_sha256": self.tokenizer_sha256}
         if full:
             state.update(optimizer=self.optimizer.state_dict(), scaler=self.scaler.state_dict(),
@@ -212,9 +224,13 @@ class Trainer:
                          skipped_steps=self.skipped_steps, train_seconds=self.train_seconds, rng=rng_state())
         return state
 
-    def load_last(self) -> None:
-        """Exact resume: weights, optimizer, loss scale, data position and every random generator."""
-        state = read_resume_state(self.run_dir / "checkpoint_last.pt", self.tokenizer_sha256)
+    def load_last(self) -> os.stat_result:
+        """Exact resume: weights, optimizer, loss scale, data position and every random generator. Reads only:
+        the run dir is claimed afterwards (claim_run_dir), so that a refused resume leaves it as it was.
+        Returns the os.stat of the file read, for claim_run_dir to see whether it changed meanwhile."""
+        last = self.run_dir / "checkpoint_last.pt"
+        stat = last.stat() if last.exists() else None
+        state = read_resume_state(last, self.tokenizer_sha256)
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -227,11 +243,8 @@ class Trainer:
         self.best_bleu, self.bad_evals = state["best_bleu"], state["bad_evals"]
         self.skipped_steps, self.train_seconds = state["skipped_steps"], state["train_seconds"]
         self.last_saved_step = self.step
-        if self.master:
-            for p in partial_files(self.run_dir):
-                p.unlink(missing_ok=True)
-            self.metrics.trim(self.step)
         self.log(f"resumed from step {self.step} (epoch {self.stream.epoch + 1}, batch {self.stream.batch_in_epoch})")
+        return stat
 
     def save(self, name: str, full: bool = False) -> None:
         if not self.master:
@@ -435,6 +448,11 @@ def load_data(cfg: Config, world: int) -> dict:
     if len(data["valid"]) == 0:  # else found by the first evaluation, after hours of training
         raise UserError(f"the validation split '{cfg.data.valid_split}' is empty; give validation files with "
                         "at least one sentence pair")
+    for split in dp.load_meta(prepared)["test_splits"]:  # else found by the final report, after all the training
+        if len(dp.load_split(prepared, split)) == 0:
+            raise UserError(f"the test split '{split}' is empty; give its files at least one sentence pair, or "
+                            "leave it out of data.test_prefixes / data.test_splits")
+    validate(cfg)  # again, now that the vocabulary sizes are known (decode.beam is bounded by them)
     return data
 
 
@@ -455,7 +473,7 @@ def build_trainer(cfg: Config, rank: int, world: int, device: torch.device) -> T
     if cfg.train.compile:
         trainer.forward = torch.compile(trainer.forward)
     if rank == 0:
-        save_config(cfg, trainer.run_dir / "config.yaml")
+        save_run_config(cfg, trainer.run_dir / "config.yaml")
         trainer.tokenizer.save(trainer.run_dir / "tokenizer")
     return trainer
 
@@ -479,7 +497,7 @@ def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Tr
     t = cfg.train
     data = load_data(cfg, world)
     run_dir = Path(t.out_dir)
-    resuming = prepare_run_dir(cfg, run_dir, rank)
+    resuming = check_run_dir(cfg, run_dir)  # read-only: a refusal touches nothing
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     np.random.seed(t.seed)
@@ -491,8 +509,11 @@ def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Tr
                                  weight_decay=t.weight_decay)
     stream = dp.BatchStream(train, sampler, data["tokenizer"].pad_id, t.pad_multiple, t.max_epochs)
     trainer = Trainer(cfg, model, model, optimizer, stream, data, rank, world, device)
-    if resuming:
-        trainer.load_last()
+    resumed_from = trainer.load_last() if resuming else None
+    if rank == 0:  # only rank 0 writes, so only rank 0 owns the run dir (its lock)
+        claim_run_dir(cfg, run_dir, resumed_from)
+        if resuming:
+            trainer.metrics.trim(trainer.step)
     return trainer
 
 
@@ -510,15 +531,39 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--average", metavar="RUN_DIR", help="average the last --last step checkpoints of RUN_DIR and exit")
     p.add_argument("--last", type=int, default=5, help="with --average: how many checkpoints (default 5)")
     p.add_argument("--output", help="with --average: output file (default RUN_DIR/checkpoint_avg.pt)")
-    p.add_argument("--resume", action="store_true", help="continue the run in train.out_dir (= train.resume=true)")
+    p.add_argument("--report", metavar="RUN_DIR", help="write the final report of a finished run again from its "
+                   "config.yaml and checkpoints, without training (trailing overrides: e.g. decode.beam=5)")
+    p.add_argument("--resume", action="store_true", help="continue the run in train.out_dir (= train.resume=true); "
+                   "on a run that reached train.max_steps: write its report")
     p.add_argument("--overwrite", action="store_true", help="replace the run in train.out_dir (= train.overwrite=true)")
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
     p.add_argument("overrides", nargs="*", help="section.key=value")
-    args = p.parse_intermixed_args(argv)  # overrides may come before and after --resume / --overwrite
-    if not args.config and not args.average:
-        p.error("--config is required (or --average RUN_DIR)")
-    args.overrides += ["train.resume=true"] * args.resume + ["train.overwrite=true"] * args.overwrite
+    args = p.parse_intermixed_args(argv)  # overrides may come before and after --resume etc.
+    if sum(map(bool, (args.config, args.average, args.report))) != 1:
+        p.error("give one of --config, --average RUN_DIR or --report RUN_DIR")
+    run_control(args)
     return args
+
+
+def run_control(args: argparse.Namespace) -> None:
+    """--resume / --overwrite act on this invocation only. train.resume=... / train.overwrite=... on the command
+    line mean the same; in a config FILE they are ignored with a warning: a saved config that said overwrite: true
+    would otherwise delete its own finished run when run again. Explicit values appended after every other
+    override make that so (a malformed override before them still fails with its own message)."""
+    for key in RUN_CONTROL:
+        for item in args.overrides:
+            if item.startswith(f"train.{key}=") and yaml.safe_load(item.split("=", 1)[1] or "''") is True:
+                setattr(args, key, True)
+    if args.config:
+        file = None
+        with contextlib.suppress(UserError):  # an unreadable file is reported by load_config, with the same words
+            file = read_yaml(args.config)
+        train = file.get("train") if isinstance(file, dict) else None
+        for key in RUN_CONTROL:
+            if isinstance(train, dict) and train.get(key) is True and not getattr(args, key):
+                print(f"warning: train.{key}: true in {args.config} is ignored: it is an action of one command, "
+                      f"not a setting; pass --{key}", file=sys.stderr)
+    args.overrides += [f"train.{key}={'true' if getattr(args, key) else 'false'}" for key in RUN_CONTROL]
 
 
 def average_command(args: argparse.Namespace) -> None:
@@ -530,14 +575,62 @@ def average_command(args: argparse.Namespace) -> None:
     if not paths:
         raise UserError(f"no checkpoint_step*.pt files in {run_dir}")
     out = Path(args.output) if args.output else run_dir / "checkpoint_avg.pt"
+    check_average_output(out)
+    if len(paths) < args.last:  # the run kept fewer (train.keep_last): say so rather than pass it off as asked
+        print(f"warning: {run_dir} has only {len(paths)} step checkpoint(s); averaging {len(paths)}, not "
+              f"--last {args.last}", file=sys.stderr)
     save_checkpoint(average_checkpoints(paths), out)
     print(f"averaged {', '.join(p.name for p in paths)} -> {out}")
+
+
+def report_target(args: argparse.Namespace) -> tuple[Config, Path] | None:
+    """(config, run dir) when this command is a report: --report RUN_DIR, or --resume of a run whose
+    checkpoint_last.pt already reached train.max_steps (training would do nothing; the report was lost)."""
+    if args.report:
+        run_dir = Path(args.report)
+        if not (run_dir / "config.yaml").is_file():
+            raise UserError(f"--report {run_dir}: no config.yaml there; give the folder of a training run")
+        cfg = load_config(run_dir / "config.yaml", [*args.overrides, "train.resume=true"])
+        cfg.train.out_dir = str(run_dir)
+        return cfg, run_dir
+    if not args.resume or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun the loop is a no-op anyway
+        return None
+    cfg = load_config(args.config, args.overrides)
+    last = Path(cfg.train.out_dir) / "checkpoint_last.pt"
+    try:  # only the step: mmap reads the small pickle, not the tensors
+        step = torch.load(last, map_location="cpu", weights_only=True, mmap=True).get("step")
+    except Exception:  # noqa: BLE001 - missing or damaged: the trainer reports it with its own message
+        return None
+    return (cfg, Path(cfg.train.out_dir)) if isinstance(step, int) and step >= cfg.train.max_steps else None
+
+
+def report_command(cfg: Config, run_dir: Path) -> None:
+    """The final report of a finished run from its checkpoints: same data, model and code as after training."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--report runs in one process; start it with python, not torchrun")
+    device = resolve_device(cfg.train.device, "train.device")
+    cfg.train.precision = resolve_precision(cfg.train.precision, device)
+    data = load_data(cfg, 1)
+    check_run_dir(cfg, run_dir)  # the same model config as the run's own
+    lock_run_dir(run_dir)  # the report rewrites results.json, hyps/ and checkpoint_avg.pt
+    state = read_resume_state(run_dir / "checkpoint_last.pt", data["sha256"])
+    model = Transformer(cfg.model)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise UserError(f"checkpoint_last.pt does not match this model config: {one_line(e)}") from None
+    print(f"{run_dir}: step {state['step']} (train.max_steps {cfg.train.max_steps}); writing the final report "
+          "from its checkpoints", file=sys.stderr)
+    final_report(model.to(device), data["tokenizer"], data["prepared"], cfg, run_dir, device, state["step"],
+                 state["train_seconds"])
 
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.average:
         return average_command(args)
+    if target := report_target(args):
+        return report_command(*target)
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(args.config, args.overrides)
