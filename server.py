@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from runtime import UserError, cli_main
+from runtime import UserError, cli_main, resolve_device
 from translator import Translation, Translator
 
 MAX_BODY_BYTES = 1_000_000
@@ -90,8 +90,10 @@ class TranslateResponse(BaseModel):
 
 def to_output(t: Translation) -> TranslationOut:
     """The JSON shape of one Translation (absent attention fields are left out of the response)."""
+    extra = {} if t.attention is None else dict(src_tokens=t.src_tokens, tgt_tokens=t.tgt_tokens,
+                                                attention=t.attention)  # unset fields stay out of the response
     return TranslationOut(text=t.text, score=t.score, nbest=[Hypothesis(text=s, score=v) for s, v in t.hypotheses],
-                          src_tokens=t.src_tokens, tgt_tokens=t.tgt_tokens, attention=t.attention)
+                          **extra)
 
 
 # ---------------------------------------------------------------- batching
@@ -260,7 +262,7 @@ def create_app(translator: Translator, window_ms: float = 10.0, max_batch_tokens
         status, message = validation_message(exc)
         return JSONResponse({"error": message}, status_code=status)
 
-    @app.post("/translate", response_model=TranslateResponse, response_model_exclude_none=True,
+    @app.post("/translate", response_model=TranslateResponse, response_model_exclude_unset=True,
               responses={400: {"description": "malformed JSON"}, 413: {"description": "body over 1 MB"},
                          422: {"description": "a limit or type is not respected"}})
     async def translate(body: TranslateRequest, request: Request):
@@ -320,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if not PAGE.is_file():
         raise UserError(f"the page {PAGE} is missing; server.py needs the static/ folder next to it")
-    translator = Translator.load(args.checkpoint, device=args.device, precision=args.precision,
+    device = str(resolve_device(args.device, "--device"))  # an error names the option
+    translator = Translator.load(args.checkpoint, device=device, precision=args.precision,
                                  batch_tokens=args.max_batch_tokens)
     app = create_app(translator, window_ms=args.window_ms)
     print(f"serving {translator.name} on {translator.device}: http://{args.host}:{args.port}/ "
