@@ -45,7 +45,7 @@ def teacher_forced(model, tokenizer, sources: list[str], refs: list[str]) -> lis
 
 def ct2_token_log_probs(engine, sources: list[str], refs: list[str]) -> list[list[float]]:
     """CTranslate2's score_batch log-probabilities per target token (it appends the eos itself)."""
-    src = [engine.source_tokens(s) for s in sources]
+    src = engine.source_tokens(sources)
     tgt = [[engine.tgt_vocab[i] for i in engine.tokenizer.encode_tgt(r)] for r in refs]
     return [list(r.log_probs) for r in engine.translator.score_batch(src, tgt)]
 
@@ -145,6 +145,17 @@ def test_beam_rules_on_many_sentences(tokenizer, tmp_path):
         assert same >= 0.99 * len(lines), (beam, alpha, same)
         same_lists = sum(x == [h for h, _ in y] for x, y in zip(texts, found, strict=True))
         assert same_lists >= 0.95 * len(lines), (beam, alpha, same_lists)
+
+
+def test_long_lines_are_cut_as_translate_py_does(tokenizer, tmp_path, capsys):
+    run = random_run(tmp_path / "run", tokenizer, **VARIANTS["gqa pre-norm"])
+    model, tok, _ = tr.load_checkpoint(run)
+    engine = ct2_engine.load(export.export_ctranslate2(run, tmp_path / "ct2"), threads=1)
+    lines = ["", " ".join(SOURCES) * 2, SOURCES[0]]  # line 2 is far over max_positions (128) tokens
+    ours = tr.translate_texts(model, tok, lines, beam=1)
+    ours_warning = capsys.readouterr().err
+    assert [h[0][0] for h in engine.translate(lines, beam=1)] == ours
+    assert capsys.readouterr().err == ours_warning and "input line 2 has" in ours_warning
 
 
 def test_mla_fold_is_a_plain_projection(tokenizer, tmp_path):
