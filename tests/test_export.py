@@ -71,10 +71,9 @@ def random_run(folder: Path, tokenizer, seed: int = 3, **model) -> Path:
     pad and bos get a logit of about -16 (their output rows are -1 and the final LayerNorm's bias is 0.5): ours
     masks them after the softmax, CTranslate2 before it, which agree only when their probability is ~0, as in
     a trained model."""
-    v = tokenizer.src_vocab_size
-    fields = dict(src_vocab_size=v, tgt_vocab_size=v, d_model=32, n_heads=4, n_enc_layers=2, n_dec_layers=2,
-                  d_ff=64, dropout=0.0, max_positions=128, **model)
-    cfg = config_from_dict({"data": fixture_data(folder / "prepared"), "model": fields,
+    fields = dict(src_vocab_size=tokenizer.src_vocab_size, tgt_vocab_size=tokenizer.tgt_vocab_size, d_model=32,
+                  n_heads=4, n_enc_layers=2, n_dec_layers=2, d_ff=64, dropout=0.0, max_positions=128, **model)
+    cfg = config_from_dict({"data": fixture_data(folder / "prepared", tokenizer=tokenizer.kind), "model": fields,
                             "decode": {"beam": 4, "len_penalty": 0.6, "max_len_b": 50}})
     torch.manual_seed(seed)
     m = Transformer(cfg.model).eval()
@@ -156,6 +155,37 @@ def test_long_lines_are_cut_as_translate_py_does(tokenizer, tmp_path, capsys):
     ours_warning = capsys.readouterr().err
     assert [h[0][0] for h in engine.translate(lines, beam=1)] == ours
     assert capsys.readouterr().err == ours_warning and "input line 2 has" in ours_warning
+
+
+def test_spacy_tokenizer_gets_two_vocabularies(tmp_path):
+    with contextlib.redirect_stdout(io.StringIO()):
+        spacy_tok = dp.load_tokenizer(dp.prepare(DataConfig(**fixture_data(tmp_path / "prep", tokenizer="spacy"))))
+    assert spacy_tok.src_vocab_size != spacy_tok.tgt_vocab_size
+    run = random_run(tmp_path / "run", spacy_tok, tie_output=False)
+    model, tok, _ = tr.load_checkpoint(run)
+    out = export.export_ctranslate2(run, tmp_path / "ct2")
+    assert (out / "source_vocabulary.json").is_file() and (out / "target_vocabulary.json").is_file()
+    engine = ct2_engine.load(out, threads=1)
+    assert max_diff(teacher_forced(model, tok, SOURCES, REFS), ct2_token_log_probs(engine, SOURCES, REFS)) < 1e-4
+
+
+def test_vocabulary_refuses_what_ctranslate2_cannot_hold():
+    class Pieces:
+        def __init__(self, pieces):
+            self.list = pieces
+
+        def vocab_size(self, lang):
+            return len(self.list)
+
+        def pieces(self, ids, lang):
+            return [self.list[i] for i in ids]
+
+    specials = list(dp.SPECIALS)
+    assert export.vocabulary(Pieces([*specials, "a", "b"]), "de") == [*specials, "a", "b"]
+    with pytest.raises(UserError, match="'a' twice"):
+        export.vocabulary(Pieces([*specials, "a", "b", "a"]), "de")
+    with pytest.raises(UserError, match="expected"):
+        export.vocabulary(Pieces(["<s>", "</s>", "<unk>", "<pad>", "a"]), "de")
 
 
 def test_mla_fold_is_a_plain_projection(tokenizer, tmp_path):
