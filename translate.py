@@ -385,7 +385,8 @@ def translate(argv) -> int:
     elif args.input:
         sources = read_lines(args.input)
     if refs is not None and sources is not None and len(refs) != len(sources):  # found now, not after the work
-        raise UserError(f"--reference has {len(refs)} lines but there are {len(sources)} sentences to translate")
+        raise UserError(f"--reference has {len(refs)} reference lines but there are {len(sources)} sentences to "
+                        "translate: give one reference line per input line")
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")
     try:

@@ -305,7 +305,7 @@ def decoding_model():
     (["--plot-attention", "attn.xyz", "A dog."], "matplotlib cannot write '.xyz' images"),
     (["--threads", "100000", "A dog."], "--threads must be between 1 and"),
     (["--output", "", "A dog."], "--output is empty"),
-    (["--reference", "REF", "A dog.", "Two men."], "--reference has 1 lines but there are 2 sentences"),
+    (["--reference", "REF", "A dog.", "Two men."], "--reference has 1 reference lines but there are 2 sentences"),
     (["--layer", "0", "--plot-attention", "a.png", "A dog."], "--layer 0 is out of range"),
     (["--head", "9", "--plot-attention", "a.png", "A dog."], "--head 9 is out of range"),
 ])

@@ -259,11 +259,3 @@ def test_learns_to_copy(tmp_path):
     refs = (tmp_path / "test.de").read_text().splitlines()
     exact = sum(h.split() == r.split() for h, r in zip(hyps, refs, strict=True)) / len(refs)
     assert exact >= 0.95, exact
-
-
-def test_overrides_may_follow_the_run_control_flags():
-    """argparse's plain parse_args rejects `--resume train.max_steps=9` after earlier overrides."""
-    import train_transformer
-
-    args = train_transformer.parse_args(["--config", "c.yaml", "train.seed=2", "--resume", "train.max_steps=9"])
-    assert args.resume and args.overrides == ["train.seed=2", "train.max_steps=9", "train.resume=true"]
