@@ -89,3 +89,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """The run directory of configs/tiny.yaml trained once per session by the real script (seconds, one thread).
+    Tests only read it (translate, export, serve); a test that changes a run trains its own."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    proc = run_script("train_transformer.py", "--config", "configs/tiny.yaml", f"train.out_dir={root / 'run'}",
+                      f"data.prepared_dir={root / 'prepared'}", cwd=ROOT,
+                      env={**os.environ, "OMP_NUM_THREADS": "1", "NMT_DEBUG": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "run"

@@ -9,7 +9,6 @@ import threading
 import pytest
 import torch
 from conftest import fixture_lines
-from tiny_run import tiny_run
 
 import decoding
 from checkpoint import load_checkpoint
@@ -23,8 +22,8 @@ SENTENCES = [*fixture_lines("test", "en")[:6], "", "A dog runs."]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return tiny_run(tmp_path_factory)
+def run(tiny_run):
+    return tiny_run
 
 
 @pytest.fixture(scope="module")

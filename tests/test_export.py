@@ -209,16 +209,6 @@ def test_mla_fold_is_a_plain_projection(tokenizer, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> Path:
-    """configs/tiny.yaml trained by the real script (a few seconds)."""
-    root = tmp_path_factory.mktemp("tiny")
-    proc = run_script("train_transformer.py", "--config", "configs/tiny.yaml", f"train.out_dir={root / 'run'}",
-                      f"data.prepared_dir={root / 'prepared'}", cwd=ROOT, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root / "run"
-
-
-@pytest.fixture(scope="module")
 def tiny(tiny_run):
     return checkpoint.load_checkpoint(tiny_run)  # (model, tokenizer, cfg)
 

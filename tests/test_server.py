@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from conftest import ROOT, fixture_lines
-from tiny_run import tiny_run
 
 from server import Batcher
 from translator import Translator
@@ -33,8 +32,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return tiny_run(tmp_path_factory)
+def run(tiny_run):
+    return tiny_run
 
 
 @pytest.fixture(scope="module")
