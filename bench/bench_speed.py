@@ -57,6 +57,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from decode_real import bench_engines  # noqa: E402
+from decode_real import report_lines as engine_lines  # noqa: E402
 from torch import nn  # noqa: E402
 from train_real import (  # noqa: E402
     StepTrainer,
@@ -394,6 +396,8 @@ def report(results: dict) -> str:
         for name, r in tr["runs"].items():
             lines.append(f"{name:<14} {r['params']:>10,} {r['steps_per_run']:>3} {r['tokens_per_s']:>10.0f} "
                          f"{r['model_tflops']:>8.4f} {r['mfu']:>7.1%}")
+    if "engines" in results:
+        lines += engine_lines(results["engines"])
     if "decoding" in results:
         d = results["decoding"]
         lines += ["", f"decoding beam {d['beam']} ({d['precision']}), {d['sentences']} sentences of {d['source']}, "
@@ -481,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile contender")
     p.add_argument("--skip-real", action="store_true", help="leave out training on real batches")
     p.add_argument("--skip-synthetic", action="store_true", help="leave out the synthetic padded training table")
+    p.add_argument("--engines", action="store_true", help="with --checkpoint: the engine table (torch fp32/bf16, "
+                   "CTranslate2 fp32/int8: speed, BLEU, identical lines) instead of the cache comparison")
+    p.add_argument("--decode-split", default="test_2016_flickr", help="--engines: the run's split to translate")
     return p
 
 
@@ -546,7 +553,13 @@ def main(argv) -> int:
             results["training"] = bench_training(args, device, peaks)
             seconds["training"] = time.perf_counter() - start
             save()
-        if not args.skip_decoding:
+        if args.engines:
+            if not args.checkpoint:
+                raise UserError("--engines needs --checkpoint RUN_DIR (a trained run)")
+            print("decoding with each engine ...", file=sys.stderr, flush=True)
+            results["engines"] = bench_engines(args, device)
+            save()
+        elif not args.skip_decoding:
             print(f"decoding ... (training took {seconds['training']:.0f} s)", file=sys.stderr, flush=True)
             results["decoding"], results["attention_variants"] = bench_decoding(args, device)
     seconds["total"] = time.perf_counter() - start
