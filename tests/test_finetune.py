@@ -183,3 +183,13 @@ def test_translate_reference_reuses_the_finetuned_data(shifted, finetuned):
     assert status == 0, err[-3000:]
     assert "using prepared data" in err and "training the" not in err
     assert sorted(p.name for p in (root / "prepared").iterdir()) == before
+
+
+def test_report_of_a_finetuned_run_uses_its_own_tokenizer(finetuned, tmp_path, capsys, monkeypatch):
+    """--report RUN_DIR encodes with the run's tokenizer/ (found in the prepared data cache), trains none."""
+    run = tmp_path / "run"
+    shutil.copytree(finetuned, run)
+    status, out, err = run_main(tt.main, ["--report", run], capsys, monkeypatch)
+    assert status == 0, err[-3000:]
+    assert "using prepared data" in out and "training the" not in out + err
+    assert json.loads((run / "results.json").read_text())["tests"].keys() == {"val"}
