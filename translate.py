@@ -394,7 +394,7 @@ def main(argv=None) -> int:
             signal.signal(sig, handler)
 
 
-def load(args: argparse.Namespace) -> tuple[Translator, Path | None]:
+def load_translator(args: argparse.Namespace) -> tuple[Translator, Path | None]:
     """The Translator and the checked --output path; every check that needs no model runs first."""
     if args.text and args.input:
         raise UserError("give sentences as arguments or --input FILE, not both")
@@ -417,7 +417,7 @@ def load(args: argparse.Namespace) -> tuple[Translator, Path | None]:
 
 def translate(argv) -> int:
     args = build_parser().parse_intermixed_args(argv)  # sentences before and after options
-    tr, output = load(args)
+    tr, output = load_translator(args)
     opts = search_options(args, tr.cfg.decode)
     if args.plot_attention:  # plot_attention checks them too, but only after the translation was printed
         plot_layers(args, tr.cfg.model)
