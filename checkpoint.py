@@ -10,8 +10,6 @@ since the trainer keeps the averaged weights only when they beat the best single
 from __future__ import annotations
 
 import glob
-import hashlib
-import json
 import os
 import re
 from pathlib import Path
@@ -20,6 +18,7 @@ import torch
 
 import data_preparation as dp
 from config import Config, config_from_dict
+from data_preparation import tokenizer_fingerprint
 from runtime import UserError, atomic_write, one_line
 from transformer_model import ModelConfig, Transformer
 
@@ -140,22 +139,6 @@ def find_checkpoint(path) -> Path:
         if p.is_dir():
             raise UserError(f"checkpoint path is a directory, expected a checkpoint file: {p}")
     return p
-
-
-def tokenizer_fingerprint(folder) -> str:
-    """sha256 of a saved tokenizer (its settings and files): the trainer stores it in every checkpoint, so a
-    tokenizer folder from another run is caught even when its vocabulary has the same size. Preparing the same
-    data again gives byte-identical files (data_preparation._reproducible_spm_model), so a rebuilt prepared
-    folder keeps the fingerprint; the bytes are hashed as they are, so runs saved before that keep translating."""
-    folder = Path(folder)
-    try:
-        info = json.loads((folder / "tokenizer.json").read_text("utf-8"))
-        digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode())
-        for name in info["files"]:
-            digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"cannot load the tokenizer in {folder}: {one_line(e)}") from None
-    return digest.hexdigest()
 
 
 def parameter_bytes(m: ModelConfig) -> int:

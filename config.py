@@ -82,6 +82,10 @@ class TrainConfig:
     average_last: int = 5  # the final model averages the last N step checkpoints (0 or 1 = no averaging)
     log_every: int = 50
     save_every: int = 0  # also rewrite checkpoint_last.pt every N steps (0 = only at evaluations)
+    # Fine-tuning: start a NEW run from the weights of a trained run (its dir or a .pt file), encoding data.* with
+    # that run's tokenizer, under a fresh optimizer and lr schedule (train_transformer.read_init_from). Saved with
+    # the run: resuming it then encodes with RUN/tokenizer and never loads these weights again.
+    init_from: str = ""
     # Run control, actions of one command (--resume, --overwrite), never saved with a run (rundir.RUN_CONTROL);
     # the trainer ignores them in a config file.
     resume: bool = False  # continue the run in out_dir from its checkpoint_last.pt
@@ -325,6 +329,27 @@ def validate(cfg: Config) -> Config:
     if t.average_last > t.keep_last:
         raise UserError(f"train.average_last ({t.average_last}) cannot exceed train.keep_last ({t.keep_last})")
     return cfg
+
+
+# Fine-tuning (train.init_from) keeps the source model's architecture and tokenizer. Of the model fields only
+# these may differ: the dropout rates act in training alone, and the sinusoid table of max_positions holds no
+# weights (positions past it are computed on the fly). Vocabulary sizes and pad id come from the inherited tokenizer.
+FINETUNE_FREE_MODEL_FIELDS = ("dropout", "attn_dropout", "max_positions")
+_DERIVED_MODEL_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id")
+
+
+def finetune_mismatches(cfg: Config, source: Config) -> list[str]:
+    """What in cfg contradicts the source run of train.init_from, one phrase per field ([] if nothing): the model
+    architecture, and the data settings that define the vocabulary it inherits (languages, tokenizer kind,
+    data.vocab_size for bpe, data.min_freq/lowercase for spacy)."""
+    d = ["tokenizer", "src_lang", "tgt_lang", *(("vocab_size",) if source.data.tokenizer == "bpe" else
+                                                 ("min_freq", "lowercase"))]
+    m = [f.name for f in dataclasses.fields(ModelConfig)
+         if f.name not in FINETUNE_FREE_MODEL_FIELDS + _DERIVED_MODEL_FIELDS]
+    return [f"{section}.{key} is {getattr(getattr(cfg, section), key)!r} here but "
+            f"{getattr(getattr(source, section), key)!r} in the source"
+            for section, keys in (("data", d), ("model", m)) for key in keys
+            if getattr(getattr(cfg, section), key) != getattr(getattr(source, section), key)]
 
 
 def load_config(path, overrides: list[str] | None = None) -> Config:

@@ -183,7 +183,7 @@ def _proto_fields(data: bytes) -> Iterator[tuple[int, bytes, bytes]]:
 def _reproducible_spm_model(data: bytes) -> bytes:
     """spm.model without what records where and how it was built (the random temporary build folder, the
     thread count), which otherwise makes every rebuild of the same data a different tokenizer to
-    checkpoint.tokenizer_fingerprint, and every run trained on it impossible to resume. Edited on the wire
+    tokenizer_fingerprint, and every run trained on it impossible to resume. Edited on the wire
     format because the protobuf package is not a dependency; these fields are optional, encoding never reads
     them."""
     out = bytearray()
@@ -369,6 +369,23 @@ def load_tokenizer(folder) -> Tokenizer:
         raise _damaged_tokenizer(folder, one_line(e, 120)) from None
 
 
+def tokenizer_fingerprint(folder) -> str:
+    """sha256 of a saved tokenizer (its settings and files): the trainer stores it in every checkpoint, so a
+    tokenizer folder from another run is caught even when its vocabulary has the same size. Preparing the same
+    data again gives byte-identical files (_reproducible_spm_model), so a rebuilt prepared folder keeps the
+    fingerprint; the bytes are hashed as they are, so runs saved before that keep translating. Also part of the
+    cache key of data encoded with a given tokenizer (prepare(..., tokenizer=...))."""
+    folder = Path(folder)
+    try:
+        info = json.loads((folder / "tokenizer.json").read_text("utf-8"))
+        digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode())
+        for name in info["files"]:
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot load the tokenizer in {folder}: {one_line(e)}") from None
+    return digest.hexdigest()
+
+
 # ------------------------------------------------------------------------------------------------- prepare
 
 
@@ -530,8 +547,10 @@ def _encode_split(cfg: DataConfig, folder: Path, split: str, sides: list[list[Pa
             "src_unk_rate": unks["src"] / max(src_text, 1), "tgt_unk_rate": unks["tgt"] / max(tokens["tgt"], 1)}
 
 
-def _cache_key(cfg: DataConfig, files: dict) -> tuple[dict, dict, str]:
-    """Settings that change the output, input checksums, and a short hash of both that names the folder."""
+def _cache_key(cfg: DataConfig, files: dict, tokenizer: Path | None = None) -> tuple[dict, dict, str]:
+    """Settings that change the output, input checksums, and a short hash of both that names the folder.
+    With a given tokenizer its fingerprint is a setting too: the same text encoded with another tokenizer is
+    other data. Without one the key is what it always was, so existing prepared folders stay valid."""
     settings = {"dataset": cfg.dataset, "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang,
                 "tokenizer": cfg.tokenizer, "max_len": cfg.max_len, "max_len_ratio": cfg.max_len_ratio,
                 "splits": list(files)}
@@ -539,6 +558,8 @@ def _cache_key(cfg: DataConfig, files: dict) -> tuple[dict, dict, str]:
         settings.update(vocab_size=cfg.vocab_size, sample_size=cfg.sample_size)
     else:
         settings.update(min_freq=cfg.min_freq, lowercase=cfg.lowercase)
+    if tokenizer is not None:
+        settings.update(tokenizer_sha256=tokenizer_fingerprint(tokenizer))
     cache_file = Path(cfg.prepared_dir) / "input_sha256.json"  # sums of big inputs, by path, size and mtime
     try:
         cache = json.loads(cache_file.read_text("utf-8")) if cache_file.is_file() else {}
@@ -563,15 +584,18 @@ def _cache_key(cfg: DataConfig, files: dict) -> tuple[dict, dict, str]:
     return settings, inputs, key
 
 
-def prepare(cfg: DataConfig, force: bool = False) -> Path:
-    """The folder for cfg: reused when complete (has meta.json), else built aside and renamed in place."""
+def prepare(cfg: DataConfig, force: bool = False, tokenizer: Path | None = None) -> Path:
+    """The folder for cfg: reused when complete (has meta.json), else built aside and renamed in place.
+
+    tokenizer: a saved tokenizer folder (RUN_DIR/tokenizer) to encode with, copied into the folder, instead of
+    training one on the data: a fine-tuned model (train.init_from) must read the ids it was trained on."""
     start = time.time()
     if cfg.dataset not in DATASETS:
         raise UserError(f"data.dataset '{cfg.dataset}' is unknown; use {', '.join(DATASETS)}")
     if cfg.tokenizer not in TOKENIZERS:
         raise UserError(f"data.tokenizer '{cfg.tokenizer}' is unknown; use {', '.join(TOKENIZERS)}")
     files = DATASETS[cfg.dataset](cfg)
-    settings, inputs, key = _cache_key(cfg, files)
+    settings, inputs, key = _cache_key(cfg, files, tokenizer)
     _check_distinct_splits(files, inputs)
     vocab = f"{cfg.vocab_size}" if cfg.tokenizer == "bpe" else f"-min{cfg.min_freq}{'-lc' * cfg.lowercase}"
     name = f"{cfg.dataset}_{cfg.src_lang}-{cfg.tgt_lang}_{cfg.tokenizer}{vocab}_{key}"
@@ -586,7 +610,7 @@ def prepare(cfg: DataConfig, force: bool = False) -> Path:
     except OSError as e:
         raise UserError(f"data.prepared_dir {folder.parent} is not a writable folder: {e.strerror or e}") from None
     try:
-        meta = _build(cfg, files, tmp)
+        meta = _build(cfg, files, tmp, tokenizer)
         meta.update(settings=settings, inputs=inputs, seconds=round(time.time() - start, 1))
         _write_json(tmp / "meta.json", meta)  # last: a folder with meta.json is complete
         if force or not (folder / "meta.json").is_file():  # else another process (a second rank) was quicker
@@ -627,8 +651,9 @@ def check_prepared(folder: Path) -> None:
                     raise damaged(folder, f"{split}.{lang}.txt is missing")
 
 
-def _build(cfg: DataConfig, files: dict, folder: Path) -> dict:
-    """Count, tokenize, filter and store every split into folder, streaming; returns the meta.json content."""
+def _build(cfg: DataConfig, files: dict, folder: Path, tokenizer: Path | None = None) -> dict:
+    """Count, tokenize, filter and store every split into folder, streaming; returns the meta.json content.
+    The tokenizer is trained on the training split, or copied from the folder `tokenizer` when given."""
     langs = (cfg.src_lang, cfg.tgt_lang)
     sides, counts = {}, {}
     for split, paths in files.items():  # line counts first: a misaligned file fails now, not after an hour
@@ -644,10 +669,14 @@ def _build(cfg: DataConfig, files: dict, folder: Path) -> dict:
                 print(f"warning: {src} has {n_src} lines; the published WMT14 file has {expected}")
             counts[split] += n_src
     workers = cfg.num_workers or min(os.cpu_count() or 1, 8)
-    corpus = TrainText(*sides["train"], langs, counts["train"])
-    print(f"training the {cfg.tokenizer} tokenizer on {counts['train']} training lines", flush=True)
-    info = TOKENIZERS[cfg.tokenizer].train(folder, cfg, corpus, workers)
-    _write_json(folder / "tokenizer.json", info)
+    if tokenizer is None:
+        corpus = TrainText(*sides["train"], langs, counts["train"])
+        print(f"training the {cfg.tokenizer} tokenizer on {counts['train']} training lines", flush=True)
+        info = TOKENIZERS[cfg.tokenizer].train(folder, cfg, corpus, workers)
+        _write_json(folder / "tokenizer.json", info)
+    else:
+        print(f"encoding with the tokenizer in {tokenizer} (not training one)", flush=True)
+        load_tokenizer(tokenizer).save(folder)  # the same bytes, so the same fingerprint
     tok = load_tokenizer(folder)
     dtype = np.uint16 if max(tok.src_vocab_size, tok.tgt_vocab_size) <= 1 << 16 else np.int32
     splits = {}

@@ -37,12 +37,13 @@ import data_preparation as dp
 from checkpoint import (
     average_checkpoints,
     check_average_output,
+    find_checkpoint,
+    load_checkpoint,
     read_resume_state,
     save_checkpoint,
     step_checkpoints,
-    tokenizer_fingerprint,
 )
-from config import Config, load_config, read_yaml, validate
+from config import FINETUNE_FREE_MODEL_FIELDS, Config, finetune_mismatches, load_config, read_yaml, validate
 from evaluation import bleu_on, final_report, valid_loss
 from loss import label_smoothed_nll
 from rundir import (
@@ -421,14 +422,16 @@ class Trainer:
 # Building the pieces
 
 
-def load_data(cfg: Config, world: int) -> dict:
-    """Prepared data, tokenizer and splits; fills cfg.model's vocabulary sizes and pad id from the tokenizer."""
+def load_data(cfg: Config, world: int, tokenizer_dir: Path | None = None) -> dict:
+    """Prepared data, tokenizer and splits; fills cfg.model's vocabulary sizes and pad id from the tokenizer.
+    tokenizer_dir: a saved tokenizer to encode the data with (fine-tuning: inherited_tokenizer); None: one is
+    trained on the training split as data.* says."""
     # One process per machine prepares the data (machines need not share a disk); the others then find it.
     first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
     if world > 1 and not first_on_node:
         dist.barrier()
     try:
-        prepared = dp.prepare(cfg.data)
+        prepared = dp.prepare(cfg.data, tokenizer=tokenizer_dir)
     finally:  # also when it failed: the others must not wait for a barrier that never comes
         if world > 1 and first_on_node:
             dist.barrier()
@@ -439,7 +442,7 @@ def load_data(cfg: Config, world: int) -> dict:
     if cfg.model.share_embeddings and not tokenizer.joint:
         raise UserError("model.share_embeddings=true needs one joint vocabulary (data.tokenizer=bpe); "
                         "set model.share_embeddings=false")
-    data = {"prepared": prepared, "tokenizer": tokenizer, "sha256": tokenizer_fingerprint(prepared),
+    data = {"prepared": prepared, "tokenizer": tokenizer, "sha256": dp.tokenizer_fingerprint(prepared),
             "train": dp.load_split(prepared, "train"), "valid": dp.load_split(prepared, cfg.data.valid_split)}
     if len(data["train"]) == 0:  # else the batch stream would loop over empty epochs forever
         raise UserError(f"no training pairs left in {prepared} after dropping blank lines and the "
@@ -454,6 +457,46 @@ def load_data(cfg: Config, world: int) -> dict:
                             "leave it out of data.test_prefixes / data.test_splits")
     validate(cfg)  # again, now that the vocabulary sizes are known (decode.beam is bounded by them)
     return data
+
+
+def read_init_from(cfg: Config) -> dict | None:
+    """Fine-tuning: the weights, file and tokenizer folder of train.init_from (a run dir: the model that
+    load_checkpoint picks, as translate.py would; or a .pt file next to its tokenizer/), checked against cfg.
+    Read before any data is prepared, so that a mismatch costs seconds. None for a run from scratch, and when
+    resuming: the run's own checkpoint_last.pt then holds the weights, and the source's would undo its steps."""
+    t = cfg.train
+    if not t.init_from or t.resume:
+        return None
+    try:
+        file = find_checkpoint(t.init_from)
+        model, tokenizer, source = load_checkpoint(file)  # weights_only: tensors and plain values, never code
+    except UserError as e:
+        raise UserError(f"train.init_from: {e}") from None
+    if file.parent.resolve() == Path(t.out_dir).resolve():  # --overwrite would delete the source
+        raise UserError(f"train.init_from {t.init_from} is in train.out_dir itself: fine-tuning starts a new run "
+                        "in another train.out_dir; to continue this run, use --resume")
+    mismatches = finetune_mismatches(cfg, source)
+    if mismatches:
+        free = ", ".join(f"model.{k}" for k in FINETUNE_FREE_MODEL_FIELDS)
+        raise UserError(f"train.init_from {file}: {'; '.join(mismatches)}: fine-tuning keeps the source's model "
+                        f"and tokenizer (of the model only {free} may change); set these as in the source run's "
+                        "config.yaml")
+    return {"file": file, "model": model.state_dict(), "tokenizer": tokenizer.folder}
+
+
+def inherited_tokenizer(cfg: Config, init: dict | None) -> Path | None:
+    """The saved tokenizer a fine-tuned run encodes its data with (None: the run trains its own). Starting, the
+    source's; resuming or reporting, the run's own tokenizer/, a byte copy (the same prepared data), which keeps
+    working after the source run was moved or deleted."""
+    if init is not None:
+        return init["tokenizer"]
+    if not cfg.train.init_from:
+        return None
+    own = Path(cfg.train.out_dir) / "tokenizer"
+    if not own.is_dir():
+        raise UserError(f"train.resume=true but {own} does not exist: there is no fine-tuned run to resume in "
+                        f"{cfg.train.out_dir}")
+    return own
 
 
 def build_trainer(cfg: Config, rank: int, world: int, device: torch.device) -> Trainer:
@@ -495,13 +538,16 @@ def agree_on_setup(error: UserError | None, world: int) -> None:
 def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Trainer:
     """The Trainer of one process, its forward still the bare model (no collective in here)."""
     t = cfg.train
-    data = load_data(cfg, world)
+    init = read_init_from(cfg)
+    data = load_data(cfg, world, inherited_tokenizer(cfg, init))
     run_dir = Path(t.out_dir)
     resuming = check_run_dir(cfg, run_dir)  # read-only: a refusal touches nothing
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     np.random.seed(t.seed)
     model = Transformer(cfg.model).to(device)
+    if init is not None:  # the weights alone: optimizer, lr schedule and step count start afresh, a new run
+        model.load_state_dict(init["model"])
     train = data["train"]
     sampler = dp.TokenBatchSampler(train.src_lengths, train.tgt_lengths, t.max_tokens, shuffle=True, seed=t.seed,
                                    rank=rank, world_size=world, pad_multiple=t.pad_multiple)
@@ -509,6 +555,8 @@ def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Tr
                                  weight_decay=t.weight_decay)
     stream = dp.BatchStream(train, sampler, data["tokenizer"].pad_id, t.pad_multiple, t.max_epochs)
     trainer = Trainer(cfg, model, model, optimizer, stream, data, rank, world, device)
+    if init is not None:
+        trainer.log(f"fine-tuning: weights and tokenizer from {init['file']}; new optimizer and lr schedule")
     resumed_from = trainer.load_last() if resuming else None
     if rank == 0:  # only rank 0 writes, so only rank 0 owns the run dir (its lock)
         claim_run_dir(cfg, run_dir, resumed_from)
@@ -525,6 +573,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Train an encoder-decoder Transformer from a YAML config, then report test BLEU.",
         epilog="Overrides: trailing section.key=value pairs, e.g. train.max_steps=2000 data.vocab_size=10000. "
+        "Fine-tune (a new run from a trained run's weights and tokenizer, fresh optimizer and lr schedule): "
+        "train.init_from=RUN_DIR_OR_CHECKPOINT train.out_dir=NEW_DIR. "
         "Multi-GPU: torchrun --nproc_per_node=N train_transformer.py --config ...",
     )
     p.add_argument("--config", help="YAML config (see configs/)")
@@ -533,8 +583,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--output", help="with --average: output file (default RUN_DIR/checkpoint_avg.pt)")
     p.add_argument("--report", metavar="RUN_DIR", help="write the final report of a finished run again from its "
                    "config.yaml and checkpoints, without training (trailing overrides: e.g. decode.beam=5)")
-    p.add_argument("--resume", action="store_true", help="continue the run in train.out_dir (= train.resume=true); "
-                   "on a run that reached train.max_steps: write its report")
+    p.add_argument("--resume", action="store_true", help="continue the run in train.out_dir (= train.resume=true) "
+                   "from its checkpoint_last.pt, optimizer state included; on a run that reached train.max_steps: "
+                   "write its report")
     p.add_argument("--overwrite", action="store_true", help="replace the run in train.out_dir (= train.overwrite=true)")
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
     p.add_argument("overrides", nargs="*", help="section.key=value")
@@ -549,11 +600,20 @@ def run_control(args: argparse.Namespace) -> None:
     """--resume / --overwrite act on this invocation only. train.resume=... / train.overwrite=... on the command
     line mean the same; in a config FILE they are ignored with a warning: a saved config that said overwrite: true
     would otherwise delete its own finished run when run again. Explicit values appended after every other
-    override make that so (a malformed override before them still fails with its own message)."""
+    override make that so (a malformed override before them still fails with its own message).
+
+    train.init_from=... on the command line with --resume asks for two different things, refused: a fine-tuned
+    run's config.yaml records its init_from, and resuming with that file continues the run from its own state."""
     for key in RUN_CONTROL:
         for item in args.overrides:
             if item.startswith(f"train.{key}=") and yaml.safe_load(item.split("=", 1)[1] or "''") is True:
                 setattr(args, key, True)
+    init_from = [item.split("=", 1)[1].strip("'\" ") for item in args.overrides if item.startswith("train.init_from=")]
+    if args.resume and init_from and init_from[-1]:
+        raise UserError("train.init_from and --resume (train.resume=true) are both given: --resume continues the run "
+                        "in train.out_dir with its own weights and optimizer state, train.init_from starts a NEW run "
+                        "from a trained run's weights (fine-tuning); to continue a fine-tuned run, resume it with "
+                        "its own config: --config RUN_DIR/config.yaml --resume")
     if args.config:
         file = None
         with contextlib.suppress(UserError):  # an unreadable file is reported by load_config, with the same words
@@ -610,7 +670,7 @@ def report_command(cfg: Config, run_dir: Path) -> None:
         raise UserError("--report runs in one process; start it with python, not torchrun")
     device = resolve_device(cfg.train.device, "train.device")
     cfg.train.precision = resolve_precision(cfg.train.precision, device)
-    data = load_data(cfg, 1)
+    data = load_data(cfg, 1, inherited_tokenizer(cfg, None))  # cfg.train.resume is set: no init weights
     check_run_dir(cfg, run_dir)  # the same model config as the run's own
     lock_run_dir(run_dir)  # the report rewrites results.json, hyps/ and checkpoint_avg.pt
     state = read_resume_state(run_dir / "checkpoint_last.pt", data["sha256"])

@@ -223,8 +223,9 @@ def format_output(index: int, t: Translation, nbest: int) -> list[str]:
     return [f"{index}\t{s:.4f}\t{clean(h)}" for h, s in t.hypotheses]
 
 
-def references(spec: str, cfg) -> tuple[list[str], list[str] | None]:
-    """(reference lines, source lines or None) for --reference: an existing file, else a split name."""
+def references(spec: str, cfg, tokenizer_dir: Path) -> tuple[list[str], list[str] | None]:
+    """(reference lines, source lines or None) for --reference: an existing file, else a split name.
+    tokenizer_dir: the run's tokenizer/, which a fine-tuned run (train.init_from) encoded its data with."""
     if Path(spec).exists():
         return read_lines(spec), None
     d = cfg.data
@@ -234,7 +235,8 @@ def references(spec: str, cfg) -> tuple[list[str], list[str] | None]:
         raise UserError(f"--reference {spec}: no such file, and not a split of this checkpoint's dataset "
                         f"({', '.join(known) or 'it records none'})")
     with contextlib.redirect_stdout(sys.stderr):  # its summary must not mix with the translations
-        prepared = dp.prepare(d)  # cached: reuses the prepared data of the training run when it is there
+        # cached: reuses the prepared data of the training run when it is there (and its tokenizer is the key)
+        prepared = dp.prepare(d, tokenizer=tokenizer_dir if cfg.train.init_from else None)
     return dp.read_raw(prepared, spec, d.tgt_lang), dp.read_raw(prepared, spec, d.src_lang)
 
 
@@ -425,7 +427,7 @@ def translate(argv) -> int:
     def translate_lines(lines: list[str], progress: bool, first_line: int = 1) -> list[Translation]:
         return tr.translate(lines, nbest=args.nbest, progress=progress, first_line=first_line, **opts)
 
-    refs, sources = references(args.reference, tr.cfg) if args.reference else (None, None)
+    refs, sources = references(args.reference, tr.cfg, tr.tokenizer.folder) if args.reference else (None, None)
     if args.text:
         sources = args.text
     elif args.input:

@@ -49,7 +49,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -58,8 +57,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from decode_real import bench_engines  # noqa: E402
+from decode_real import report_lines as engine_lines  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+from train_real import (  # noqa: E402
+    StepTrainer,
+    TorchTransformer,
+    bench_real_training,
+    report_lines,
+    sync,
+)
 
 import corpora  # noqa: E402
 import data_preparation as dp  # noqa: E402
@@ -68,8 +75,7 @@ import transformer_model as tm  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
 from config import load_config  # noqa: E402
 from decoding import search_texts  # noqa: E402
-from loss import label_smoothed_nll  # noqa: E402
-from runtime import UserError, autocast, cli_main, native_bf16, resolve_device  # noqa: E402
+from runtime import UserError, cli_main, native_bf16, resolve_device  # noqa: E402
 
 PAD_ID, EOS_ID = 0, 3
 NOMINAL_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16 tensor-core peak of the SXM parts (datasheet)
@@ -97,12 +103,6 @@ def wmt14_base_config(args) -> tm.ModelConfig:
                               n_dec_layers=1, d_ff=64, share_embeddings=True)
     return tm.ModelConfig(src_vocab_size=37000, tgt_vocab_size=37000, d_model=512, n_heads=8, n_enc_layers=6,
                           n_dec_layers=6, d_ff=2048, dropout=0.1, share_embeddings=True)
-
-
-def sync(device: torch.device) -> None:
-    """Wait for queued GPU work, so wall-clock timings measure it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------- machine facts
@@ -161,54 +161,6 @@ def matmul_peak(device: torch.device, precision: str, shapes: list[tuple[int, in
 # ---------------------------------------------------------------- training throughput
 
 
-class TorchTransformer(nn.Module):
-    """torch.nn.Transformer wrapped with the same embeddings, sinusoid and tied generator as ours: the baseline."""
-
-    def __init__(self, cfg: tm.ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.tgt_vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
-        self.positions = tm.PositionalEncoding(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
-        with warnings.catch_warnings():  # "enable_nested_tensor is True, but ... norm_first": training ignores it
-            warnings.simplefilter("ignore")
-            self.core = nn.Transformer(cfg.d_model, cfg.n_heads, cfg.n_enc_layers, cfg.n_dec_layers, cfg.d_ff,
-                                       cfg.dropout, batch_first=True, norm_first=cfg.norm_first)
-        self.generator = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=False)
-        self.generator.weight = self.embed.weight  # three-way tying, like share_embeddings=True
-
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) * math.sqrt(self.cfg.d_model)  # (B,T,D)
-        return self.dropout(x + self.positions(tokens.size(1)))
-
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        t = tgt_in.size(1)
-        src_ignore = src == self.cfg.pad_id  # (B,S) torch's convention: True = may NOT attend
-        future = torch.ones(t, t, dtype=torch.bool, device=src.device).triu(1)  # (T,T) True = masked
-        h = self.core(self.embed_tokens(src), self.embed_tokens(tgt_in), tgt_mask=future,
-                      src_key_padding_mask=src_ignore, memory_key_padding_mask=src_ignore, tgt_is_causal=True)
-        return self.generator(h)  # (B,T,V)
-
-
-def explicit_only(q, k, v, mask, dropout_p):
-    """fast_attention's signature, computed by the textbook path (the weights are dropped)."""
-    return tm.explicit_attention(q, k, v, mask, dropout_p)[0]
-
-
-@contextlib.contextmanager
-def attention_path(naive: bool):
-    """Swap transformer_model.fast_attention for the explicit path while a 'naive' configuration runs."""
-    if not naive:
-        yield
-        return
-    saved = tm.fast_attention
-    tm.fast_attention = explicit_only
-    try:
-        yield
-    finally:
-        tm.fast_attention = saved
-
-
 def synthetic_batches(n: int, batch: int, max_len: int, vocab: int, seed: int, device, mean: float = 13.0,
                       std: float = 5.0, fixed: bool = False) -> list[tuple]:
     """n batches of `batch` sentence pairs, lengths 4..max_len ~ N(mean, std) (Multi30k BPE: 13, 5), padded to the
@@ -232,68 +184,6 @@ def synthetic_batches(n: int, batch: int, max_len: int, vocab: int, seed: int, d
     return out
 
 
-def forward_flops(cfg: tm.ModelConfig, b: int, s: int, t: int, n: int) -> float:
-    """Matmul FLOPs of one forward pass: layers on the padded shapes, generator on the n real target tokens."""
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
-    enc = 2 * b * s * (4 * d * d + 2 * d * f) + 4 * b * s * s * d
-    dec = (2 * b * t * (4 * d * d + 2 * d * f) + 4 * b * t * t * d
-           + 2 * b * t * 2 * d * d + 2 * b * s * 2 * d * d + 4 * b * t * s * d)
-    return cfg.n_enc_layers * enc + cfg.n_dec_layers * dec + 2 * n * d * v
-
-
-class Trainer:
-    """One model + Adam; step() runs a full training step on a batch and returns its real target tokens."""
-
-    def __init__(self, name: str, model: nn.Module, precision: str, naive: bool, device, compile_model=False):
-        self.name, self.precision, self.naive, self.device = name, precision, naive, device
-        self.model = model.to(device).train()
-        self.forward = torch.compile(self.model) if compile_model else self.model
-        fused = {"fused": True} if device.type == "cuda" else {}
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, **fused)
-        self.n_steps = 0
-        self.times: list[float] = []
-        self.tokens: list[int] = []
-        self.flops: list[float] = []
-
-    def step(self, batch) -> int:
-        src, tgt_in, tgt_out = batch
-        self.n_steps += 1
-        for g in self.opt.param_groups:
-            g["lr"] = tt.learning_rate(self.n_steps, self.model.cfg.d_model, warmup=4000)
-        ntok = int(tgt_out.ne(PAD_ID).sum())
-        self.opt.zero_grad(set_to_none=True)
-        ours = self.name == "ours"
-        keep = tgt_out.ne(PAD_ID)  # (B,T) real target tokens
-        with attention_path(self.naive), autocast(self.device, self.precision):
-            logits = self.forward(src, tgt_in, keep=keep) if ours else self.forward(src, tgt_in)  # (N,V) / (B,T,V)
-        if ours:  # the project's training step: logits of real tokens only, closed-form loss gradient
-            loss, _ = label_smoothed_nll(logits, tgt_out[keep], 0.1, PAD_ID)
-        else:  # stock PyTorch: log_softmax + NLL under autograd
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD_ID,
-                                   label_smoothing=0.1, reduction="sum")
-        (loss / ntok).backward()
-        self.opt.step()
-        return ntok
-
-    def timed(self, batches: list) -> None:
-        """Run the batches once, timing the whole; record tokens and FLOPs."""
-        sync(self.device)
-        start = time.perf_counter()
-        ntok = sum(self.step(b) for b in batches)
-        sync(self.device)
-        self.times.append(time.perf_counter() - start)
-        self.tokens.append(ntok)
-        self.flops.append(sum(3 * forward_flops(self.model.cfg, *b[0].shape, b[1].size(1), int(b[2].ne(PAD_ID).sum()))
-                              for b in batches))
-
-    def summary(self, peak: float) -> dict:
-        rates = [n / s for n, s in zip(self.tokens, self.times, strict=True)]
-        flops = [f / s for f, s in zip(self.flops, self.times, strict=True)]
-        return {"tokens_per_s": statistics.median(rates), "runs_tokens_per_s": rates,
-                "model_tflops": statistics.median(flops) / 1e12, "mfu": statistics.median(flops) / peak,
-                "params": tm.count_parameters(self.model)}
-
-
 def bench_training(args, device, peaks: dict) -> dict:
     cfg = model_config(args)
     batches = synthetic_batches(args.batches, args.batch_size, args.max_len, args.vocab, 1, device)
@@ -302,7 +192,7 @@ def bench_training(args, device, peaks: dict) -> dict:
         for name, naive in (("ours", False), ("naive", True), ("torch", False)):
             torch.manual_seed(1)
             model = TorchTransformer(cfg) if name == "torch" else tm.Transformer(cfg)
-            trainers.append(Trainer(name, model, precision, naive, device))
+            trainers.append(StepTrainer(name, model, precision, naive, device))
     for tr in trainers:  # warm-up: allocator, kernel selection, Adam state
         for b in batches[:1]:
             tr.step(b)
@@ -461,7 +351,7 @@ def bench_wmt14_base(args, device, peaks: dict) -> dict:
     batches = synthetic_batches(4, batch, max_len, cfg.tgt_vocab_size, 5, device, mean=max_len - 6, std=4.0,
                                 fixed=True)
     torch.manual_seed(1)
-    tr = Trainer("ours", tm.Transformer(cfg), precision, False, device, compile_model=args.compile)
+    tr = StepTrainer("ours", tm.Transformer(cfg), precision, False, device, compile_model=args.compile)
     start = time.perf_counter()
     for b in batches * 2:  # warm-up, including the compilation of each shape
         tr.step(b)
@@ -493,9 +383,12 @@ def report(results: dict) -> str:
         lines.append("note: this CPU has no AMX/AVX512-BF16: bf16 autocast is emulated (slower than fp32 here)")
     peaks = results["matmul_peak_tflops"]
     lines.append("matmul peak (TFLOP/s): " + ", ".join(f"{k} {v:.3f}" for k, v in peaks.items()))
+    if "real_training" in results:
+        lines += report_lines(results["real_training"])
     if "training" in results:
         tr = results["training"]
-        lines += ["", f"training step (fwd+bwd+Adam, label smoothing), batch {tr['batch_size']} sentences, "
+        lines += ["", "secondary (synthetic, not what the trainer makes): "
+                  f"training step (fwd+bwd+Adam, label smoothing), batch {tr['batch_size']} sentences, "
                   f"median of {len(next(iter(tr['runs'].values()))['runs_tokens_per_s'])} runs of N steps; loss: "
                   "ours logits at real tokens only + loss.label_smoothed_nll, naive and torch logits "
                   "at every position + F.cross_entropy",
@@ -503,6 +396,8 @@ def report(results: dict) -> str:
         for name, r in tr["runs"].items():
             lines.append(f"{name:<14} {r['params']:>10,} {r['steps_per_run']:>3} {r['tokens_per_s']:>10.0f} "
                          f"{r['model_tflops']:>8.4f} {r['mfu']:>7.1%}")
+    if "engines" in results:
+        lines += engine_lines(results["engines"])
     if "decoding" in results:
         d = results["decoding"]
         lines += ["", f"decoding beam {d['beam']} ({d['precision']}), {d['sentences']} sentences of {d['source']}, "
@@ -534,6 +429,10 @@ def report(results: dict) -> str:
 
 def targets(results: dict) -> list[dict]:
     out = []
+    for key, value in results.get("real_training", {}).items():
+        if key.startswith("ours_vs_torch_"):
+            out.append({"name": f"real batches: tok/s vs nn.Transformer ({key.rsplit('_', 1)[1]})",
+                        "target": TARGET_TRAIN_RATIO, "achieved": value, "passed": value >= TARGET_TRAIN_RATIO})
     if "training" in results:
         for key, value in results["training"].items():
             if key.startswith("speedup_vs_torch_"):
@@ -579,6 +478,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wmt14-batch", type=int, default=320,
                    help="sentences per WMT14-base batch (padded to 80 tokens: ~25k tokens, ~23k real, per side)")
     p.add_argument("--compile", action="store_true", help="torch.compile the WMT14-base model")
+    p.add_argument("--recipe", help="training on real batches: this config's data, model and batching "
+                   "(default configs/multi30k_en_de.yaml; --tiny: configs/tiny.yaml)")
+    p.add_argument("--prepared-dir", help="data.prepared_dir for the recipe (reuse an existing prepared folder)")
+    p.add_argument("--real-batches", type=int, help="real batches per timed run (default 20; quick 8; tiny 2)")
+    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile contender")
+    p.add_argument("--skip-real", action="store_true", help="leave out training on real batches")
+    p.add_argument("--skip-synthetic", action="store_true", help="leave out the synthetic padded training table")
+    p.add_argument("--engines", action="store_true", help="with --checkpoint: the engine table (torch fp32/bf16, "
+                   "CTranslate2 fp32/int8: speed, BLEU, identical lines) instead of the cache comparison")
+    p.add_argument("--decode-split", default="test_2016_flickr", help="--engines: the run's split to translate")
     return p
 
 
@@ -594,10 +503,16 @@ def fill_defaults(args) -> None:
     args.decode_repeats = args.decode_repeats or (1 if quick else 3)
     args.max_len_b = 8 if tiny else 50
     args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    args.recipe = args.recipe or str(ROOT / "configs" / ("tiny.yaml" if tiny else "multi30k_en_de.yaml"))
+    args.real_batches = args.real_batches or (2 if tiny else 8 if quick else 20)
     cfg = model_config(args)
     d, f, v = cfg.d_model, cfg.d_ff, args.vocab
     squares = [256] if tiny else [4096, 8192] if args.device.startswith("cuda") else [1024, 2048]
     args.matmul_shapes = [(n, n, n) for n in squares] + ([] if tiny else [(4096, d, f), (4096, f, d), (4096, d, v)])
+    if not (tiny or args.skip_real):  # the recipe's own linear shapes too, so its MFU is not over 100%
+        recipe = load_config(args.recipe)
+        d, f, v = recipe.model.d_model, recipe.model.d_ff, recipe.data.vocab_size
+        args.matmul_shapes += [(4096, d, f), (4096, f, d), (4096, d, v), (4096, d, d)]
     if bad := [p for p in args.precisions if p not in ("fp32", "bf16")]:
         raise UserError(f"--precisions {','.join(bad)}: use fp32 and/or bf16")
     if args.threads is not None and args.threads < 1:
@@ -628,11 +543,23 @@ def main(argv) -> int:
     if args.wmt14_base_steps > 0:
         results["wmt14_base"] = bench_wmt14_base(args, device, peaks)
     else:
-        print("training ...", file=sys.stderr, flush=True)
-        results["training"] = bench_training(args, device, peaks)
-        seconds["training"] = time.perf_counter() - start
-        save()
-        if not args.skip_decoding:
+        if not args.skip_real:
+            print(f"training on real batches of {args.recipe} ...", file=sys.stderr, flush=True)
+            results["real_training"] = bench_real_training(args, device, peaks)
+            seconds["real_training"] = time.perf_counter() - start
+            save()
+        if not args.skip_synthetic:
+            print("training on synthetic padded batches ...", file=sys.stderr, flush=True)
+            results["training"] = bench_training(args, device, peaks)
+            seconds["training"] = time.perf_counter() - start
+            save()
+        if args.engines:
+            if not args.checkpoint:
+                raise UserError("--engines needs --checkpoint RUN_DIR (a trained run)")
+            print("decoding with each engine ...", file=sys.stderr, flush=True)
+            results["engines"] = bench_engines(args, device)
+            save()
+        elif not args.skip_decoding:
             print(f"decoding ... (training took {seconds['training']:.0f} s)", file=sys.stderr, flush=True)
             results["decoding"], results["attention_variants"] = bench_decoding(args, device)
     seconds["total"] = time.perf_counter() - start

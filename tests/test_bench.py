@@ -30,7 +30,14 @@ def positive(value) -> bool:
 
 
 def test_quick_tiny_run_writes_every_section(tmp_path):
-    r = bench(tmp_path, "--quick")
+    r = bench(tmp_path, "--quick", "--no-compile", "--prepared-dir", str(tmp_path / "prepared"))
+    real = r["real_training"]
+    assert set(real["runs"]) == {f"{m}_{p}" for m in ("ours", "torch")
+                                 for p in ("fp32", "bf16") if p == "fp32" or r["env"]["cpu_native_bf16"]}
+    for run in real["runs"].values():
+        assert positive(run["tokens_per_s"]) and positive(run["mfu"]) and len(run["runs_tokens_per_s"]) == 2
+    assert 0.5 < real["mean_real_target_fraction"] <= 1.0  # the trainer's batches: little padding
+    assert real["model"]["d_model"] == 32, "the real batches come from configs/tiny.yaml under --tiny"
     assert r["env"]["threads"] >= 1 and isinstance(r["env"]["cpu_native_bf16"], bool)
     assert positive(r["matmul_peak_tflops"]["fp32"]) and positive(r["matmul_peak_tflops"]["bf16"])
     runs = r["training"]["runs"]
@@ -52,6 +59,7 @@ def test_quick_tiny_run_writes_every_section(tmp_path):
     kv = {k: v["kv_cache_bytes_per_token_bf16"] for k, v in variants.items()}
     assert kv["mqa"] < kv["gqa"] < kv["mha"] and kv["mla"] < kv["mha"]
     assert {t["name"].split(" (")[0] for t in r["targets"]} == {"training tok/s vs nn.Transformer",
+                                                               "real batches: tok/s vs nn.Transformer",
                                                                "cached vs uncached beam search"}
 
 
