@@ -102,6 +102,9 @@ class DecodeConfig:
     max_len_a: float = 1.0
     max_len_b: int = 50
     batch_tokens: int = 4000
+    # fp32 by default whatever the training precision: the report's BLEU must be what translate.py's defaults
+    # give, and bf16 decoding changes some outputs; auto = runtime.resolve_precision (bf16 where native)
+    precision: str = "fp32"
 
 
 @dataclass
@@ -318,6 +321,7 @@ def validate(cfg: Config) -> Config:
          f"{max((cfg.model.tgt_vocab_size - 2) // 2, 1)}"),
         (dec.max_len_a >= 0 and dec.max_len_b >= 1, "decode.max_len_a must be >= 0 and decode.max_len_b >= 1"),
         (dec.batch_tokens >= 16, "decode.batch_tokens must be at least 16"),
+        (dec.precision in ("auto", "fp32", "bf16"), f"decode.precision '{dec.precision}' is unknown (auto|fp32|bf16)"),
     ]
     for ok, message in checks:
         if not ok:

@@ -39,13 +39,16 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 import data_preparation as dp
-from runtime import UserError
+from runtime import UserError, resolve_precision
 
 EXPORT_FILE = "nmt_export.json"
 SPECIAL_TOKENS = dict(zip(("pad", "unk", "bos", "eos"), dp.SPECIALS, strict=True))  # ids 0-3, in this order
 RANK_SHORT_FIRST = -8.0  # CTranslate2 length_penalty: it keeps the earliest-finished hypotheses (see above)
 FORMAT_VERSION = 1
+COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}  # ours -> CTranslate2's
 
 
 def require_ctranslate2():
@@ -93,18 +96,20 @@ class Ct2Translator:
 
     # ------------------------------------------------------------ tokens
 
-    def source_tokens(self, lines: list[str]) -> list[list[str]]:
-        """Source pieces ending with eos, one tokenizer call for all lines (a call per line costs ~1 ms);
-        over-long lines keep their first tokens, with translate.py's warning."""
+    def source_tokens(self, lines: list[str], max_src_len: int | None = None,
+                      first_line: int = 1) -> list[list[str]]:
+        """Source pieces ending with eos, one tokenizer call for all lines (a call per line costs ~1 ms); lines
+        longer than max_src_len (default: max_positions) keep their first tokens, with translate.py's warning
+        (first_line: the number of lines[0] in it)."""
+        limit = max_src_len or self.max_positions
         encoded = self.tokenizer.encode_lines(lines, self.tokenizer.src_lang) if lines else []
         out = []
-        for number, ids in enumerate(encoded, start=1):
+        for number, ids in enumerate(encoded, start=first_line):
             ids = [*ids, dp.EOS_ID]
-            if len(ids) > self.max_positions:
+            if len(ids) > limit:
                 print(f"warning: input line {number} has {len(ids)} source tokens, more than the limit of "
-                      f"{self.max_positions}; translating its first {self.max_positions - 1} tokens only",
-                      file=sys.stderr)
-                ids = ids[:self.max_positions - 1] + [dp.EOS_ID]
+                      f"{limit}; translating its first {limit - 1} tokens only", file=sys.stderr)
+                ids = ids[:limit - 1] + [dp.EOS_ID]
             out.append([self.src_vocab[i] for i in ids])
         return out
 
@@ -114,12 +119,13 @@ class Ct2Translator:
     # ------------------------------------------------------------ translation
 
     def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1, len_penalty: float | None = None,
-                  max_len_a: float | None = None, max_len_b: float | None = None,
-                  batch_tokens: int | None = None) -> list[list[tuple[str, float]]]:
+                  max_len_a: float | None = None, max_len_b: float | None = None, batch_tokens: int | None = None,
+                  max_src_len: int | None = None, first_line: int = 1) -> list[list[tuple[str, float]]]:
         """The nbest (text, score) per line, best first, in input order; an empty line gives [("", 0.0)].
 
         Unset options take the export's decode defaults; beam 1 is greedy search. Scores are translate.py's:
-        sum of log-probabilities (eos included) / ((5 + |Y|) / 6)^len_penalty.
+        sum of log-probabilities (eos included) / ((5 + |Y|) / 6)^len_penalty. As decoding.beam_search, a line
+        with fewer distinct hypotheses than nbest has its list filled with ("", -inf).
         """
         d = self.decode
         beam = d["beam"] if beam is None else beam
@@ -133,7 +139,7 @@ class Ct2Translator:
             if not ok:
                 raise UserError(message)
         results: list[list[tuple[str, float]]] = [[("", 0.0)] for _ in lines]
-        encoded = self.source_tokens(lines)  # blank lines too, so warnings count lines as the user does
+        encoded = self.source_tokens(lines, max_src_len, first_line)  # blank lines too: warnings count every line
         sources = {i: tokens for i, (line, tokens) in enumerate(zip(lines, encoded, strict=True)) if line.strip()}
         groups: dict[int, list[int]] = defaultdict(list)  # output limit -> line indices: one CT2 call per limit
         for i, tokens in sources.items():
@@ -143,7 +149,8 @@ class Ct2Translator:
             for i, hyps in zip(indices, found, strict=True):
                 scored = [(h.raw / gnmt_penalty(len(h.ids) + 1, alpha), h.ids) for h in hyps]
                 scored.sort(key=lambda pair: -pair[0])  # stable: ties keep CTranslate2's order
-                results[i] = [(self._text(ids), score) for score, ids in scored[:nbest]]
+                filler = [("", -math.inf)] * (nbest - len(scored))
+                results[i] = [(self._text(ids), score) for score, ids in scored[:nbest]] + filler
         return results
 
     def _search(self, sources: list[list[str]], limit: int, beam: int, batch_tokens: int) -> list[list[Hypothesis]]:
@@ -198,22 +205,56 @@ class Ct2Translator:
         return self._log_probs(sources, targets, batch_tokens)
 
 
-def load(folder, device: str = "cpu", compute_type: str = "default", threads: int = 0) -> Ct2Translator:
-    """Load an export.py folder; threads 0 lets CTranslate2 choose, compute_type 'default' keeps the export's."""
-    ct2 = require_ctranslate2()
-    folder = Path(folder)
-    info_path = folder / EXPORT_FILE
+def read_info(folder) -> dict:
+    """The nmt_export.json of an export.py folder, checked; a one-line UserError when it is not one."""
+    info_path = Path(folder) / EXPORT_FILE
     if not info_path.is_file():
         raise UserError(f"{folder} is not an exported model (no {EXPORT_FILE}); create one with export.py")
     try:
         info = json.loads(info_path.read_text("utf-8"))
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read {info_path}: {_one_line(e)}") from None
-    if info.get("format") != FORMAT_VERSION or info.get("engine") != "ctranslate2":
+    if not isinstance(info, dict) or info.get("format") != FORMAT_VERSION or info.get("engine") != "ctranslate2":
         raise UserError(f"{info_path} is not a format-{FORMAT_VERSION} CTranslate2 export; export the checkpoint again")
+    return info
+
+
+def compute_type(precision: str | None, info: dict, device: torch.device) -> str:
+    """CTranslate2's compute type for one of our precisions (fp32, bf16, fp16, int8, auto).
+
+    None: an export quantized by export.py keeps its type ('default'); a float32 export takes its run's
+    decode.precision, as the torch engine does. 'auto' is runtime.resolve_precision's choice, or float32 where
+    CTranslate2 has no kernels for it (its CPU build has no bfloat16 even where torch computes bf16 natively)."""
+    ct2 = require_ctranslate2()
+    if precision is None:
+        if info.get("quantization", "float32") != "float32":
+            return "default"
+        precision = info.get("decode", {}).get("precision", "fp32")  # exports made before decode.precision: fp32
+    wanted = COMPUTE_TYPES.get(resolve_precision(precision, device))
+    if wanted is None:
+        raise UserError(f"precision '{precision}' is unknown for CTranslate2; use {', '.join(COMPUTE_TYPES)} or auto")
+    try:
+        supported = ct2.get_supported_compute_types(device.type, device.index or 0)
+    except RuntimeError as e:  # a CUDA device CTranslate2 cannot use (no driver, an older one)
+        raise UserError(f"CTranslate2 cannot use {device}: {_one_line(e)}") from None
+    if wanted in supported:
+        return wanted
+    if precision == "auto":
+        return "float32"
+    raise UserError(f"CTranslate2 cannot compute in {wanted} on {device.type} here (it offers "
+                    f"{', '.join(sorted(supported))}); use another precision")
+
+
+def load(folder, device: str = "cpu", compute_type: str = "default", threads: int = 0,
+         device_index: int = 0) -> Ct2Translator:
+    """Load an export.py folder; threads 0 lets CTranslate2 choose, compute_type 'default' keeps the export's."""
+    ct2 = require_ctranslate2()
+    folder = Path(folder)
+    info = read_info(folder)
     tokenizer = dp.load_tokenizer(folder / "tokenizer")
     try:
-        translator = ct2.Translator(str(folder), device=device, compute_type=compute_type, intra_threads=threads)
+        translator = ct2.Translator(str(folder), device=device, device_index=device_index,
+                                    compute_type=compute_type, intra_threads=threads)
     except (RuntimeError, ValueError) as e:
         raise UserError(f"cannot load the CTranslate2 model in {folder}: {_one_line(e)}") from None
     return Ct2Translator(translator, tokenizer, info)

@@ -16,7 +16,7 @@ from config import Config
 from decoding import clean, translate_texts
 from loss import label_smoothed_nll
 from rundir import read_metrics
-from runtime import autocast, write_text
+from runtime import autocast, resolve_precision, write_text
 from scoring import score
 from transformer_model import Transformer, count_parameters
 
@@ -43,7 +43,8 @@ def valid_loss(model: Transformer, split: dp.Split, cfg: Config, device: torch.d
 
 def bleu_on(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, split: str, cfg: Config,
             device: torch.device, beam: int, limit: int = 0, progress: bool = False) -> tuple[dict, list[str]]:
-    """(scores, hypotheses) of the model on a valid/test split of the prepared data; beam 1 = greedy."""
+    """(scores, hypotheses) of the model on a valid/test split of the prepared data; beam 1 = greedy. Decoded in
+    decode.precision, not the training precision, so translate.py's defaults reproduce the scores."""
     d, dec = cfg.data, cfg.decode
     sources = dp.read_raw(prepared, split, d.src_lang)
     refs = dp.read_raw(prepared, split, d.tgt_lang)
@@ -51,7 +52,8 @@ def bleu_on(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, split: 
         sources, refs = sources[:limit], refs[:limit]
     hyps = translate_texts(model, tokenizer, sources, beam=beam, len_penalty=dec.len_penalty,
                            max_len_a=dec.max_len_a, max_len_b=dec.max_len_b, batch_tokens=dec.batch_tokens,
-                           device=device, precision=cfg.train.precision, progress=progress and beam > 1)
+                           device=device, precision=resolve_precision(dec.precision, device),
+                           progress=progress and beam > 1)
     return score(hyps, refs, d.tgt_lang), hyps
 
 
@@ -84,9 +86,11 @@ def final_report(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, cf
     """Pick best vs. averaged weights on val BLEU, then beam-search every test split (paper §6.1)."""
     d, dec = cfg.data, cfg.decode
     chosen, val = choose_weights(model, tokenizer, prepared, cfg, run_dir, device)
+    precision = resolve_precision(dec.precision, device)  # what bleu_on decodes in
     print(f"validation BLEU (greedy): {json.dumps(val)} -> testing '{chosen}' with beam {dec.beam}", file=sys.stderr)
     results = {"model": chosen, "step": step, "val_bleu_greedy": val, "train_minutes": train_seconds / 60,
-               "parameters": count_parameters(model), "device": str(device), "tests": {}}
+               "parameters": count_parameters(model), "device": str(device), "decode_precision": precision,
+               "tests": {}}
     (run_dir / "hyps").mkdir(exist_ok=True)
     for split in [d.valid_split, *dp.load_meta(prepared)["test_splits"]]:
         scores, hyps = bleu_on(model, tokenizer, prepared, split, cfg, device, beam=dec.beam, progress=True)
@@ -94,7 +98,7 @@ def final_report(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, cf
         results["tests"][split] = scores
     write_text(run_dir / "results.json", json.dumps(results, indent=2))
     print(f"\n{d.src_lang}->{d.tgt_lang}, {chosen} weights, step {step}, {train_seconds / 60:.1f} min of training, "
-          f"beam {dec.beam}, len_penalty {dec.len_penalty}")
+          f"beam {dec.beam}, len_penalty {dec.len_penalty}, decode precision {precision}")
     print(f"{'split':<20} {'BLEU':>6} {'chrF':>6} {'tok.lc BLEU':>12}")
     for split, s in results["tests"].items():
         print(f"{split:<20} {s['bleu']:6.2f} {s['chrf']:6.2f} {s['bleu_tok_lc']:12.2f}")

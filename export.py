@@ -3,7 +3,7 @@
     python export.py --checkpoint runs/multi30k_en_de --to ctranslate2 exported/en_de_int8 --quantization int8
 
 The folder holds CTranslate2's model.bin, config.json and vocabularies, a copy of our tokenizer/ and
-nmt_export.json (source checkpoint, decode defaults, model config, special ids): ct2_engine.load(folder)
+nmt_export.json (source checkpoint, decode defaults, model and data config, special ids): ct2_engine.load(folder)
 translates from it without the checkpoint.
 
 How our model maps onto ctranslate2.specs.TransformerSpec (the mapping is exact, weights are copied as they are):
@@ -188,11 +188,11 @@ def sha256_file(path: Path) -> str:
 
 
 def export_info(file: Path, cfg, quantization: str | None, ct2_version: str) -> dict:
-    """What nmt_export.json records: provenance, decode defaults, model config, special ids."""
+    """What nmt_export.json records: provenance, decode defaults, model and data config, special ids."""
     return {"format": FORMAT_VERSION, "engine": "ctranslate2", "ctranslate2_version": ct2_version,
             "source_checkpoint": str(file.resolve()), "source_sha256": sha256_file(file),
             "quantization": quantization or "float32", "decode": asdict(cfg.decode), "model": asdict(cfg.model),
-            "data": {"src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang, "tokenizer": cfg.data.tokenizer},
+            "data": asdict(cfg.data),  # the whole section: translate.py --reference SPLIT finds the split by it
             "special_ids": {"pad": dp.PAD_ID, "unk": dp.UNK_ID, "bos": dp.BOS_ID, "eos": dp.EOS_ID},
             "special_tokens": dict(SPECIAL_TOKENS)}
 

@@ -298,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16", "auto"])
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16", "auto"],
+                   help="default: the checkpoint's decode.precision (fp32 unless set)")
     p.add_argument("--max-batch-tokens", type=int, metavar="N",
                    help="source tokens gathered into one model call (default: the checkpoint's decode.batch_tokens)")
     p.add_argument("--window-ms", type=float, default=10.0,
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     if not PAGE.is_file():
         raise UserError(f"the page {PAGE} is missing; server.py needs the static/ folder next to it")
     device = str(resolve_device(args.device, "--device"))  # an error names the option
-    translator = Translator.load(args.checkpoint, device=device, precision=args.precision,
+    # torch only: the page asks for attention weights, which a CTranslate2 export cannot give
+    translator = Translator.load(args.checkpoint, device=device, precision=args.precision, engine="torch",
                                  batch_tokens=args.max_batch_tokens)
     app = create_app(translator, window_ms=args.window_ms)
     print(f"serving {translator.name} on {translator.device}: http://{args.host}:{args.port}/ "

@@ -1,8 +1,9 @@
 """Translate with a trained Transformer from the command line: sentences, files, standard input, BLEU against
 references, n-best lists and cross-attention heatmaps.
 
-The search itself (batched beam search with a KV cache, §6.1) is decoding.py; checkpoints are read by
-checkpoint.py; scores come from scoring.py. This file is the command line on top of them.
+Every mode is a thin layer on translator.Translator, so both engines serve all of them: torch (a run directory or
+.pt file; the search is decoding.py, batched beam search with a KV cache, §6.1) and ctranslate2 (a folder written
+by export.py, through ct2_engine.py). Scores come from scoring.py.
 """
 
 from __future__ import annotations
@@ -10,60 +11,47 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import io
 import json
 import math
 import os
+import select
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 import data_preparation as dp
-from checkpoint import find_checkpoint, load_checkpoint
-from data_preparation import BOS_ID, EOS_ID
-from decoding import clean, encode_sources, search_texts, source_limit, translate_nbest, translate_texts
+from decoding import clean
 from runtime import UserError, atomic_write, cli_main, resolve_device
 from scoring import format_scores, score
+from translator import ENGINES, PRECISIONS, Translation, Translator, locate
 
 BOM = "\ufeff"
+STDIN_WAIT_S = 0.01  # a chunk of piped input waits this long for more before it is translated (see stdin_chunks)
 
 # ---------------------------------------------------------------- attention heatmap
 
 
-def fit_labels(labels: list[str], n: int) -> list[str]:
-    """Exactly n tick labels: cut, or padded with '?' if the tokenizer's pieces disagree with the ids."""
-    return (list(labels) + ["?"] * n)[:n]
-
-
-def plot_attention(model, tokenizer, text: str, tokens: list[int], out_path, layer: int | None = None,
-                   head: int | None = None, all_heads: bool = False, max_src_len: int | None = None) -> Path:
-    """Cross-attention heatmap (source pieces on x, output pieces on y) from the explicit attention path.
+def plot_attention(t: Translation, out_path, layer: int | None = None, head: int | None = None,
+                   all_heads: bool = False) -> Path:
+    """Cross-attention heatmap (source pieces on x, output pieces on y) of a Translation made with attention=True.
 
     layer and head count from 1 (default: the last layer, mean over heads); all_heads: a grid of every head.
     """
     from matplotlib.figure import Figure  # the object API renders without pyplot's global backend state
 
-    device = next(model.parameters()).device
-    (src_ids,) = encode_sources(tokenizer, [text], source_limit(model, max_src_len))
-    src = torch.tensor([src_ids], device=device)  # (1,S)
-    tgt_in = torch.tensor([[BOS_ID, *tokens]], device=device)  # (1,T): row i is the step that outputs token i
-    model.eval()
-    with torch.inference_mode():
-        cross = model.forward_with_attention(src, tgt_in).cross  # per decoder layer (1,H,T,S)
-    n_layers, n_heads = len(cross), cross[0].size(1)
+    cross = torch.tensor(t.attention)  # (L,H,T,S): [layer][head][output piece][source piece]
+    n_layers, n_heads = cross.size(0), cross.size(1)
     layer = n_layers if layer is None else layer
     if not 1 <= layer <= n_layers:
         raise UserError(f"--layer {layer} is out of range: the decoder has layers 1..{n_layers}")
     if head is not None and not 1 <= head <= n_heads:
         raise UserError(f"--head {head} is out of range: the model has heads 1..{n_heads}")
-    attn = cross[layer - 1][0].float().cpu()  # (H,T,S)
-    pieces = tokenizer.src_pieces(text)  # ends with the eos piece, as the encoder reads it
-    x_labels = fit_labels(pieces if len(pieces) <= len(src_ids) else pieces[:len(src_ids) - 1] + pieces[-1:],
-                          attn.size(2))
-    y_labels = fit_labels(tokenizer.tgt_pieces([*tokens, EOS_ID]), attn.size(1))
+    attn = cross[layer - 1]  # (H,T,S)
+    x_labels, y_labels = t.src_tokens, t.tgt_tokens  # source pieces ending with eos, output pieces with eos
     if all_heads:
         panels = [(attn[h], f"head {h + 1}") for h in range(n_heads)]
     elif head is not None:
@@ -101,24 +89,28 @@ def plot_attention(model, tokenizer, text: str, tokens: list[int], out_path, lay
 
 EXAMPLES = """examples:
   python translate.py --checkpoint runs/multi30k_en_de "A man is riding a bike." "Two dogs play."
-  echo "A girl in a red coat." | python translate.py --checkpoint runs/multi30k_en_de
+  python translate.py --checkpoint runs/multi30k_en_de < in.en > out.de
   python translate.py --checkpoint runs/multi30k_en_de --input in.en --output out.de --beam 5
   python translate.py --checkpoint runs/multi30k_en_de --reference test_2016_flickr --output hyps.de --json
   python translate.py --checkpoint runs/multi30k_en_de/checkpoint_last.pt --nbest 3 "A dog runs."
   python translate.py --checkpoint runs/multi30k_en_de "A dog runs." --plot-attention attn.png --all-heads
+  python translate.py --checkpoint exported/en_de < in.en > out.de      # a folder written by export.py
 
---checkpoint takes a run directory (checkpoint_avg.pt, else checkpoint_best.pt, else checkpoint_last.pt) or
-a .pt file whose folder holds tokenizer/. Without sentences or --input, lines are read from standard input
-and each translation is printed as soon as it is ready (one output line per input line; an empty line gives
-an empty line). With --nbest N each input gives N lines "INDEX<TAB>SCORE<TAB>TRANSLATION", best first, INDEX
-counting input lines from 0. With --reference the scores follow the translations on standard output (a table,
-or one JSON line with --json); use --output to keep the translations out of the way. Lines longer than the
-model's max_positions tokens are truncated with a warning. --output is written to a temporary file renamed at
-the end, so a failed or killed run leaves an earlier file of that name untouched (a symlink's target is written
-that way; a FIFO or device is written in place); it may not be a file the command reads. A byte order mark at
-the start of the input is ignored. An n-best list may end with "-inf" filler lines when fewer distinct
-hypotheses exist (a beam wider than the vocabulary allows within the length bound); an empty input line gives
-one empty line. --debug shows the traceback of an error."""
+--checkpoint takes a run directory (checkpoint_avg.pt, else checkpoint_best.pt, else checkpoint_last.pt), a
+.pt file whose folder holds tokenizer/, or a CTranslate2 folder written by export.py (--engine auto picks
+ctranslate2 for it; --engine ctranslate2 needs one, --engine torch refuses one). Without sentences or --input,
+lines are read from standard input in chunks of up to --buffer-size lines, each translated as one batch and
+written (flushed) in input order; a chunk ends early when the input pauses, so a terminal, or a program that
+writes a line and waits for its answer, is answered line by line. One output line per input line (an empty
+line gives an empty line). With --nbest N each input gives N lines "INDEX<TAB>SCORE<TAB>TRANSLATION", best
+first, INDEX counting input lines from 0. With --reference the scores follow the translations on standard
+output (a table, or one JSON line with --json); use --output to keep the translations out of the way. Lines
+longer than the model's max_positions tokens are truncated with a warning. --output is written to a temporary
+file renamed at the end, so a failed or killed run leaves an earlier file of that name untouched (a symlink's
+target is written that way; a FIFO or device is written in place); it may not be a file the command reads. A
+byte order mark at the start of the input is ignored. An n-best list may end with "-inf" filler lines when fewer
+distinct hypotheses exist (a beam wider than the vocabulary allows within the length bound); an empty input line
+gives one empty line. --debug shows the traceback of an error."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,13 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Translate sentences with a trained Transformer (beam search, BLEU, attention plots).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("text", nargs="*", help="sentences to translate, one output line each")
-    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR_OR_FILE", help="run directory or .pt file")
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR_OR_FILE",
+                   help="run directory, .pt file, or a CTranslate2 folder written by export.py")
+    p.add_argument("--engine", default="auto", choices=["auto", *ENGINES],
+                   help="auto (default): ctranslate2 for an export.py folder, else torch")
     p.add_argument("--input", metavar="FILE", help="translate this UTF-8 text file, one sentence per line")
     p.add_argument("--output", metavar="FILE", help="write translations here instead of standard output")
     p.add_argument("--reference", metavar="FILE_OR_SPLIT",
                    help="score against this file, or a split of the checkpoint's dataset (e.g. "
                         "test_2016_flickr: its source is translated when no sentence or --input is given)")
     p.add_argument("--json", action="store_true", help="print the scores as one JSON line")
+    p.add_argument("--buffer-size", type=int, default=1000, metavar="N",
+                   help="standard input: translate up to N lines per batch (default: 1000)")
     g = p.add_argument_group("search (defaults: the checkpoint's decode section)")
     g.add_argument("--beam", type=int, help="beam size; 1 = greedy search (paper: 4)")
     g.add_argument("--len-penalty", type=float, help="alpha of the penalty ((5+|Y|)/6)^alpha (paper: 0.6)")
@@ -141,12 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nbest", type=int, default=1, help="print the N best hypotheses per input (N <= beam)")
     g.add_argument("--batch-tokens", type=int, help="source tokens (padding included) per batch")
     g.add_argument("--max-src-len", type=int, help="truncate longer sources (default: max_positions)")
-    g.add_argument("--no-cache", action="store_true", help="recompute the prefix every step (slow)")
+    g.add_argument("--no-cache", action="store_true", help="recompute the prefix every step (slow; torch only)")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    g.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often "
-                   "fastest for small models on a busy machine)")
-    g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 runs under autocast")
-    a = p.add_argument_group("attention plot")
+    g.add_argument("--threads", type=int, help="CPU threads for torch and CTranslate2 (default: torch's choice; 1 "
+                   "is often fastest for small models on a busy machine)")
+    g.add_argument("--precision", choices=PRECISIONS,
+                   help="default: the checkpoint's decode.precision (fp32 unless set), as the training report "
+                        "decodes; bf16 runs under autocast; int8 needs --engine ctranslate2")
+    a = p.add_argument_group("attention plot (engine torch)")
     a.add_argument("--plot-attention", metavar="OUT.png", help="cross-attention heatmap of the sentence")
     a.add_argument("--layer", type=int, help="decoder layer, from 1 (default: the last)")
     a.add_argument("--head", type=int, help="one head, from 1 (default: the mean over heads)")
@@ -182,12 +181,16 @@ def same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def inputs_of(args: argparse.Namespace, checkpoint: Path) -> list[tuple[str, Path]]:
-    """(flag, file) for every file this command reads: writing one of them would destroy it mid-run."""
-    found = [("--checkpoint", checkpoint), ("--checkpoint (its run's config.yaml)", checkpoint.parent / "config.yaml")]
-    tokenizer = checkpoint.parent / "tokenizer"
-    if tokenizer.is_dir():
-        found += [("--checkpoint (its tokenizer/ folder)", f) for f in sorted(tokenizer.iterdir())]
+def inputs_of(args: argparse.Namespace, source: Path) -> list[tuple[str, Path]]:
+    """(flag, file) for every file this command reads: writing one of them would destroy it mid-run. source is
+    the checkpoint file, or the export.py folder (every file in it)."""
+    if source.is_dir():
+        found = [("--checkpoint (its export folder)", f) for f in sorted(source.rglob("*")) if f.is_file()]
+    else:
+        found = [("--checkpoint", source), ("--checkpoint (its run's config.yaml)", source.parent / "config.yaml")]
+        tokenizer = source.parent / "tokenizer"
+        if tokenizer.is_dir():
+            found += [("--checkpoint (its tokenizer/ folder)", f) for f in sorted(tokenizer.iterdir())]
     if args.input:
         found.append(("--input", Path(args.input)))
     if args.reference and Path(args.reference).is_file():
@@ -195,7 +198,7 @@ def inputs_of(args: argparse.Namespace, checkpoint: Path) -> list[tuple[str, Pat
     return found
 
 
-def output_path(path, args: argparse.Namespace, checkpoint: Path, flag: str = "--output") -> Path:
+def output_path(path, args: argparse.Namespace, source: Path, flag: str = "--output") -> Path:
     """--output (or --plot-attention), checked before any work: a file in an existing folder, never a file the
     command reads (compared by path and inode, so a hard link or a symlink to an input counts too)."""
     if not path:
@@ -205,7 +208,7 @@ def output_path(path, args: argparse.Namespace, checkpoint: Path, flag: str = "-
         raise UserError(f"{flag} {p} is a directory, expected a file path")
     if not p.parent.is_dir():
         raise UserError(f"{flag} {p}: the folder {p.parent} does not exist")
-    for what, file in inputs_of(args, checkpoint):
+    for what, file in inputs_of(args, source):
         if same_file(p, file):
             raise UserError(f"{flag} {p} is also the {what} file: write to another file")
     if p.exists() and p.suffix == ".pt":
@@ -213,10 +216,11 @@ def output_path(path, args: argparse.Namespace, checkpoint: Path, flag: str = "-
     return p
 
 
-def format_output(index: int, hyps, nbest: int) -> list[str]:
+def format_output(index: int, t: Translation, nbest: int) -> list[str]:
+    """The output lines of one input: its translation, or nbest "INDEX<TAB>SCORE<TAB>TRANSLATION" lines."""
     if nbest == 1:
-        return [clean(hyps)]
-    return [f"{index}\t{s:.4f}\t{clean(h)}" for h, s in hyps]
+        return [clean(t.text)]
+    return [f"{index}\t{s:.4f}\t{clean(h)}" for h, s in t.hypotheses]
 
 
 def references(spec: str, cfg, tokenizer_dir: Path) -> tuple[list[str], list[str] | None]:
@@ -226,80 +230,107 @@ def references(spec: str, cfg, tokenizer_dir: Path) -> tuple[list[str], list[str
         return read_lines(spec), None
     d = cfg.data
     tests = [Path(p).name for p in d.test_prefixes] if d.dataset == "files" else d.test_splits
-    known = [d.valid_split, *tests]
+    known = [name for name in (d.valid_split, *tests) if name]  # an older export records no split
     if spec not in known:
         raise UserError(f"--reference {spec}: no such file, and not a split of this checkpoint's dataset "
-                        f"({', '.join(known)})")
+                        f"({', '.join(known) or 'it records none'})")
     with contextlib.redirect_stdout(sys.stderr):  # its summary must not mix with the translations
         # cached: reuses the prepared data of the training run when it is there (and its tokenizer is the key)
         prepared = dp.prepare(d, tokenizer=tokenizer_dir if cfg.train.init_from else None)
     return dp.read_raw(prepared, spec, d.tgt_lang), dp.read_raw(prepared, spec, d.src_lang)
 
 
-def stdin_lines():
-    """Standard input line by line as it arrives, split on \\n only, endings removed; prompt on a terminal."""
-    stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", newline="\n")  # no universal-newline split
-    interactive = sys.stdin.isatty()
-    number = 1
-    while True:
-        if interactive:
-            print("> ", end="", file=sys.stderr, flush=True)
+def input_waiting(stream, timeout: float) -> bool:
+    """Whether stream has more to read within timeout; one without a descriptor (in memory) always has."""
+    try:
+        return bool(select.select([stream.fileno()], [], [], timeout)[0])
+    except (OSError, ValueError):  # io.BytesIO has no descriptor; Windows' select takes sockets only
+        return True
+
+
+def decode_lines(raw: list[bytes], number: int) -> tuple[list[str], int | None]:
+    """(the UTF-8 lines without a trailing \\r, up to a bad one; the line number of that bad one or None).
+    number: lines of the input before raw; a BOM (Windows editors) is no part of the input's first line."""
+    texts = []
+    for line in raw:
         try:
-            line = stdin.readline()
+            text = line.decode("utf-8").removesuffix("\r")
         except UnicodeDecodeError:
-            raise UserError(f"standard input is not UTF-8 text (line {number})") from None
-        if line == "":
-            return
-        if number == 1:
-            line = line.removeprefix(BOM)
-        yield line.removesuffix("\n").removesuffix("\r")
-        number += 1
+            return texts, number + len(texts) + 1
+        texts.append(text.removeprefix(BOM) if number + len(texts) == 0 else text)
+    return texts, None
 
 
-def search_options(args: argparse.Namespace, cfg, device: torch.device) -> dict:
-    """The search settings: command-line values, else the checkpoint's decode section; checked."""
-    dec = cfg.decode
-    pick = {name: dec_value if arg is None else arg for name, arg, dec_value in [
+def stdin_chunks(buffer_size: int) -> Iterator[list[str]]:
+    """Standard input in chunks of at most buffer_size lines, split on \\n only, line endings removed.
+
+    A chunk is what has arrived: reading stops at buffer_size lines or when the input pauses (nothing more
+    within STDIN_WAIT_S), so a file or a fast pipe fills whole chunks while a terminal, or a program that writes
+    a line and waits for its answer, is answered line by line. A terminal gets a prompt on stderr. Before a
+    line that is not UTF-8 the lines read so far are still given out, then the error is raised."""
+    stream, prompt = sys.stdin.buffer, sys.stdin.isatty()
+    buf, lines, number, eof = bytearray(), [], 0, False
+    while lines or not eof:
+        if not eof and len(lines) < buffer_size and (not lines or input_waiting(stream, STDIN_WAIT_S)):
+            if prompt and not lines and not buf:
+                print("> ", end="", file=sys.stderr, flush=True)
+            data = stream.read1(1 << 16)  # what is there, up to 64 KiB: never waits for a full block
+            buf += data
+            cut = len(buf) if not data else buf.rfind(b"\n") + 1  # at the end, a last line without newline
+            eof = not data
+            if cut:
+                lines += bytes(buf[:cut]).removesuffix(b"\n").split(b"\n")
+                del buf[:cut]
+            continue
+        chunk, lines = lines[:buffer_size], lines[buffer_size:]
+        texts, bad = decode_lines(chunk, number)
+        if texts:
+            yield texts
+        if bad is not None:
+            raise UserError(f"standard input is not UTF-8 text (line {bad})")
+        number += len(chunk)
+
+
+def search_options(args: argparse.Namespace, dec) -> dict:
+    """The search settings of Translator.translate: command-line values, else the decode section; checked."""
+    opts = {name: dec_value if arg is None else arg for name, arg, dec_value in [
         ("beam", args.beam, dec.beam), ("len_penalty", args.len_penalty, dec.len_penalty),
-        ("max_len_a", args.max_len_a, dec.max_len_a), ("max_len_b", args.max_len_b, dec.max_len_b),
-        ("batch_tokens", args.batch_tokens, dec.batch_tokens)]}
-    opts = dict(pick, use_cache=not args.no_cache, device=device, precision=args.precision,
-                max_src_len=args.max_src_len)
+        ("max_len_a", args.max_len_a, dec.max_len_a), ("max_len_b", args.max_len_b, dec.max_len_b)]}
     checks = [(opts["beam"] >= 1, "--beam must be >= 1"),
               (1 <= args.nbest <= opts["beam"], f"--nbest must be between 1 and the beam ({opts['beam']})"),
-              (opts["batch_tokens"] >= 1, "--batch-tokens must be >= 1"),
               (opts["max_len_a"] >= 0, "--max-len-a must be >= 0"),
               # at least one token, as decode.max_len_b: a bound of 0 allows only the empty translation
-              (opts["max_len_b"] >= 1, "--max-len-b must be >= 1"),
-              (args.max_src_len is None or args.max_src_len >= 2, "--max-src-len must be >= 2")]
+              (opts["max_len_b"] >= 1, "--max-len-b must be >= 1")]
     for ok, message in checks:
         if not ok:
             raise UserError(message)
     return opts
 
 
-def write_translations(out, translate_lines, sources: list[str] | None, nbest: int, progress: bool) -> list[str]:
-    """Translate sources (or standard input, line by line as it arrives) into out; the best line per input."""
+def write_translations(out, translate_lines: Callable[..., list[Translation]], sources: list[str] | None,
+                       nbest: int, progress: bool, buffer_size: int) -> list[str]:
+    """Translate sources, or standard input chunk by chunk as it arrives, into out (flushed after each chunk);
+    returns the best translation of every input line."""
     best: list[str] = []
-    if sources is not None:  # a known list: batched by length, progress bar for files and splits
-        for i, hyps in enumerate(translate_lines(sources, progress=progress)):
-            out.write("".join(line + "\n" for line in format_output(i, hyps, nbest)))
-            best.append(hyps if nbest == 1 else hyps[0][0])
-        return best
-    for i, line in enumerate(stdin_lines()):
-        (hyps,) = translate_lines([line], progress=False, first_line=i + 1)
-        out.write("".join(text + "\n" for text in format_output(i, hyps, nbest)))
+    for chunk in [sources] if sources is not None else stdin_chunks(buffer_size):
+        found = translate_lines(chunk, progress=progress and sources is not None, first_line=len(best) + 1)
+        out.write("".join(line + "\n" for i, t in enumerate(found, start=len(best))
+                          for line in format_output(i, t, nbest)))
         out.flush()
-        best.append(hyps if nbest == 1 else hyps[0][0])
+        best += [t.text for t in found]
     return best
 
 
 def check_numbers(args: argparse.Namespace) -> None:
     """argparse's float() takes 'nan', 'inf' and 1e999: a NaN length penalty scores every hypothesis NaN, an
-    infinite length factor makes no bound at all. Refused before any work."""
+    infinite length factor makes no bound at all. These and the other counts are refused before any work."""
     for flag, value in (("--len-penalty", args.len_penalty), ("--max-len-a", args.max_len_a)):
         if value is not None and not math.isfinite(value):
             raise UserError(f"{flag} must be a finite number, got {value}")
+    for flag, value, low in (("--batch-tokens", args.batch_tokens, 1), ("--max-src-len", args.max_src_len, 2),
+                             ("--buffer-size", args.buffer_size, 1)):
+        if value is not None and value < low:
+            raise UserError(f"{flag} must be >= {low}")
     if args.threads is not None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         # torch/OpenMP crashes (segfault) on absurd counts, and more threads than CPUs only slow it down
@@ -307,12 +338,21 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise UserError(f"--threads must be between 1 and the {cpus} CPU(s) this process may use")
 
 
-def plot_path(args: argparse.Namespace, checkpoint: Path, output: Path | None) -> Path:
+def torch_only(args: argparse.Namespace) -> None:
+    """The options the ctranslate2 engine cannot honour, refused before any work."""
+    if args.plot_attention is not None:
+        raise UserError("--plot-attention needs --engine torch and a run directory or .pt file: CTranslate2 "
+                        "gives no attention weights")
+    if args.no_cache:
+        raise UserError("--no-cache needs --engine torch: CTranslate2 always decodes with its cache")
+
+
+def plot_path(args: argparse.Namespace, source: Path, output: Path | None) -> Path:
     """--plot-attention, checked before translating: an image format matplotlib writes, not a file we read."""
     p = Path(args.plot_attention)
     if p.is_dir():
         raise UserError(f"--plot-attention {p} is a directory, expected an image file path")
-    for what, file in inputs_of(args, checkpoint) + ([("--output", output)] if output else []):
+    for what, file in inputs_of(args, source) + ([("--output", output)] if output else []):
         if same_file(p, file):
             raise UserError(f"--plot-attention {p} is also the {what} file: write to another file")
     from matplotlib.figure import Figure  # only when plotting: matplotlib takes a while to import
@@ -356,32 +396,38 @@ def main(argv=None) -> int:
             signal.signal(sig, handler)
 
 
-def translate(argv) -> int:
-    args = build_parser().parse_intermixed_args(argv)  # sentences before and after options
+def load_translator(args: argparse.Namespace) -> tuple[Translator, Path | None]:
+    """The Translator and the checked --output path; every check that needs no model runs first."""
     if args.text and args.input:
         raise UserError("give sentences as arguments or --input FILE, not both")
     if args.plot_attention and len(args.text) != 1:
         raise UserError("--plot-attention needs exactly one sentence given as an argument")
     check_numbers(args)
+    engine, source = locate(args.checkpoint, args.engine)
+    if engine != "torch":
+        torch_only(args)
     device = resolve_device(args.device, "--device")
-    ckpt_file = find_checkpoint(args.checkpoint)
-    output = output_path(args.output, args, ckpt_file) if args.output is not None else None
+    output = output_path(args.output, args, source) if args.output is not None else None
     if args.plot_attention is not None:
-        plot_path(args, ckpt_file, output)
+        plot_path(args, source, output)
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    model, tokenizer, cfg = load_checkpoint(args.checkpoint, device)
-    opts = search_options(args, cfg, device)
+        torch.set_num_threads(args.threads)  # the ctranslate2 engine takes torch's thread count too
+    tr = Translator.load(source, device=str(device), precision=args.precision, engine=engine,
+                         batch_tokens=args.batch_tokens, max_src_len=args.max_src_len, use_cache=not args.no_cache)
+    return tr, output
+
+
+def translate(argv) -> int:
+    args = build_parser().parse_intermixed_args(argv)  # sentences before and after options
+    tr, output = load_translator(args)
+    opts = search_options(args, tr.cfg.decode)
     if args.plot_attention:  # plot_attention checks them too, but only after the translation was printed
-        plot_layers(args, cfg.model)
+        plot_layers(args, tr.cfg.model)
 
-    def translate_lines(lines: list[str], progress: bool, first_line: int = 1) -> list:
-        more = dict(opts, progress=progress, first_line=first_line)
-        if args.nbest == 1:
-            return translate_texts(model, tokenizer, lines, **more)
-        return translate_nbest(model, tokenizer, lines, args.nbest, **more)
+    def translate_lines(lines: list[str], progress: bool, first_line: int = 1) -> list[Translation]:
+        return tr.translate(lines, nbest=args.nbest, progress=progress, first_line=first_line, **opts)
 
-    refs, sources = references(args.reference, cfg, tokenizer.folder) if args.reference else (None, None)
+    refs, sources = references(args.reference, tr.cfg, tr.tokenizer.folder) if args.reference else (None, None)
     if args.text:
         sources = args.text
     elif args.input:
@@ -393,7 +439,7 @@ def translate(argv) -> int:
         sys.stdout.reconfigure(encoding="utf-8")
     try:
         with atomic_write(output, newline="\n") if output else contextlib.nullcontext(sys.stdout) as out:
-            best = write_translations(out, translate_lines, sources, args.nbest, progress=not args.text)
+            best = write_translations(out, translate_lines, sources, args.nbest, not args.text, args.buffer_size)
     except BrokenPipeError:  # e.g. piped into `head`: stop quietly, like other command-line tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
@@ -405,12 +451,11 @@ def translate(argv) -> int:
     if args.plot_attention:
         if not sources[0].strip():
             raise UserError("--plot-attention: the sentence is empty, nothing to plot")
-        (found,) = search_texts(model, tokenizer, sources[:1], **opts)  # the search behind the output
-        path = plot_attention(model, tokenizer, sources[0], found[0][0], args.plot_attention,
-                              args.layer, args.head, args.all_heads, args.max_src_len)
+        (found,) = tr.translate(sources[:1], attention=True, **opts)  # the search behind the output
+        path = plot_attention(found, args.plot_attention, args.layer, args.head, args.all_heads)
         print(f"attention plot: {path}", file=sys.stderr)
     if refs is not None:
-        scores = score(best, refs, cfg.data.tgt_lang)
+        scores = score(best, refs, tr.cfg.data.tgt_lang)
         print(json.dumps(scores) if args.json else format_scores(scores), flush=True)
     return 0
 

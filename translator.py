@@ -7,9 +7,13 @@ cross-attention weights as plain Python values.
     print(t.text, t.score, t.hypotheses)
     t.attention[-1][0]  # last decoder layer, head 1: rows are output pieces t.tgt_tokens, columns t.src_tokens
 
-The search is decoding.search_texts (length-sorted batches of about batch_tokens source tokens, beam search with
-the KV cache, greedy search at beam 1), so results equal translate.py's for the same settings. One lock
-serialises model calls: a Translator can be shared between threads (the HTTP server in server.py does).
+    Translator.load("exported/en_de")  # a folder written by export.py: engine "auto" picks ctranslate2
+
+Two engines give the same Translation types. torch: decoding.search_texts (length-sorted batches of about
+batch_tokens source tokens, beam search with the KV cache, greedy search at beam 1), so results equal
+translate.py's for the same settings. ctranslate2: ct2_engine over an export.py folder, the same search rules
+(greedy output identical; where beam search may differ is in ct2_engine's docstring); no attention weights.
+One lock serialises model calls: a Translator can be shared between threads (the HTTP server in server.py does).
 """
 
 from __future__ import annotations
@@ -21,14 +25,15 @@ from pathlib import Path
 
 import torch
 
+import ct2_engine
 from checkpoint import find_checkpoint, load_checkpoint
-from config import Config
+from config import Config, config_from_dict
 from data_preparation import BOS_ID, EOS_ID
 from decoding import encode_sources, search_texts, source_limit
 from runtime import UserError, autocast, resolve_device, resolve_precision
 
-ENGINES = ("torch",)  # "ctranslate2" arrives with ct2_engine.py
-PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+ENGINES = ("torch", "ctranslate2")
+PRECISIONS = ("fp32", "bf16", "fp16", "int8", "auto")  # int8: ctranslate2 only (CTranslate2's int8 kernels)
 
 
 @dataclass
@@ -71,31 +76,79 @@ def _check_float(name: str, value: object, low: float | None = None) -> float:
     return float(value)
 
 
+def locate(path: str | Path, engine: str = "auto") -> tuple[str, Path]:
+    """(engine, what it loads) for a run directory or .pt file (torch) or an export.py folder (ctranslate2).
+
+    'auto' picks ctranslate2 for a folder holding ct2_engine.EXPORT_FILE, else torch. A mismatch is a one-line
+    error: an export holds no PyTorch weights, and a run is not exported on the fly (that writes a folder of the
+    model's size somewhere the user did not choose; export.py does it once)."""
+    if engine not in (*ENGINES, "auto"):
+        raise UserError(f"engine '{engine}' is unknown; use auto, {', '.join(ENGINES)}")
+    p = Path(path)
+    exported = p.is_dir() and (p / ct2_engine.EXPORT_FILE).is_file()
+    if engine == "auto":
+        engine = "ctranslate2" if exported else "torch"
+    if engine == "torch" and exported:
+        raise UserError(f"{p} is a CTranslate2 export, it holds no PyTorch weights: use engine ctranslate2 (or auto)")
+    if engine == "ctranslate2" and not exported:
+        if not p.exists():
+            raise UserError(f"model not found: {p} (engine ctranslate2 needs a folder written by export.py)")
+        raise UserError(f"{p} is not a CTranslate2 export (no {ct2_engine.EXPORT_FILE}); export it first: "
+                        f"python export.py --checkpoint {p} --to ctranslate2 OUT_DIR")
+    return engine, p if engine == "ctranslate2" else find_checkpoint(p)
+
+
+def export_config(info: dict) -> Config:
+    """The model, decode and data sections an export records. Exports made before the whole data section was
+    recorded name no dataset: their data section knows the languages only, and no split."""
+    data = info["data"] if "dataset" in info["data"] else {
+        **info["data"], "dataset": "files", "valid_split": "", "test_splits": [], "test_prefixes": []}
+    return config_from_dict({"data": data, "model": info["model"], "decode": info["decode"]})
+
+
 class Translator:
-    """A loaded model with its tokenizer and decode defaults; translate() is thread-safe."""
+    """A loaded model with its tokenizer and decode defaults; translate() is thread-safe.
+
+    model is a transformer_model.Transformer (engine torch) or a ct2_engine.Ct2Translator (engine ctranslate2);
+    precision is ours (fp32, bf16, fp16) for torch and CTranslate2's compute type (float32, int8...) for it."""
 
     def __init__(self, model, tokenizer, cfg: Config, device: torch.device, precision: str, name: str,
-                 batch_tokens: int | None = None):
+                 batch_tokens: int | None = None, max_src_len: int | None = None, use_cache: bool = True):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.device, self.precision, self.name = device, precision, name
-        self.engine = "torch"
+        self.engine = "ctranslate2" if isinstance(model, ct2_engine.Ct2Translator) else "torch"
         self.batch_tokens = _check_int("batch_tokens", cfg.decode.batch_tokens if batch_tokens is None
                                        else batch_tokens, 1)
+        self.max_src_len = None if max_src_len is None else _check_int("max_src_len", max_src_len, 2)
+        self.use_cache = use_cache  # False recomputes every prefix (torch only): slow, for comparisons
         self._lock = threading.Lock()  # the model and its KV caches are not safe to run from two threads at once
 
     @classmethod
-    def load(cls, run_dir_or_checkpoint: str | Path, device: str = "auto", precision: str = "fp32",
-             engine: str = "torch", batch_tokens: int | None = None) -> Translator:
-        """A Translator from a run directory (checkpoint_avg.pt, else _best, else _last) or a checkpoint file."""
-        if engine not in ENGINES:
-            raise UserError(f"engine '{engine}' is not available; use {', '.join(ENGINES)}")
-        if precision not in PRECISIONS:
+    def load(cls, run_dir_or_checkpoint: str | Path, device: str = "auto", precision: str | None = None,
+             engine: str = "auto", batch_tokens: int | None = None, max_src_len: int | None = None,
+             use_cache: bool = True) -> Translator:
+        """A Translator from a run directory (checkpoint_avg.pt, else _best, else _last), a checkpoint file, or a
+        folder written by export.py (engine: see locate). precision None: the run's decode.precision."""
+        engine, source = locate(run_dir_or_checkpoint, engine)
+        if precision is not None and precision not in PRECISIONS:
             raise UserError(f"precision '{precision}' is unknown; use {', '.join(PRECISIONS)}")
         dev = resolve_device(device)
-        file = find_checkpoint(run_dir_or_checkpoint)
-        model, tokenizer, cfg = load_checkpoint(file, dev)
-        name = f"{file.parent.name}/{file.name}"  # no absolute path: the name is shown to HTTP clients
-        return cls(model, tokenizer, cfg, dev, resolve_precision(precision, dev), name, batch_tokens)
+        if engine == "ctranslate2":
+            if not use_cache:
+                raise UserError("use_cache=False (--no-cache) needs engine torch: CTranslate2 always caches")
+            info = ct2_engine.read_info(source)
+            compute = ct2_engine.compute_type(precision, info, dev)
+            # CTranslate2 gets torch's thread count, which OMP_NUM_THREADS and torch.set_num_threads set
+            model = ct2_engine.load(source, dev.type, compute, torch.get_num_threads(), dev.index or 0)
+            return cls(model, model.tokenizer, export_config(info), dev, model.translator.compute_type, source.name,
+                       batch_tokens, max_src_len)
+        if precision == "int8":
+            raise UserError("precision int8 needs engine ctranslate2: export the run first (python export.py "
+                            "... --quantization int8)")
+        model, tokenizer, cfg = load_checkpoint(source, dev)
+        name = f"{source.parent.name}/{source.name}"  # no absolute path: the name is shown to HTTP clients
+        return cls(model, tokenizer, cfg, dev, resolve_precision(precision or cfg.decode.precision, dev), name,
+                   batch_tokens, max_src_len, use_cache)
 
     @property
     def default_beam(self) -> int:
@@ -107,9 +160,12 @@ class Translator:
         return sum(len(self.tokenizer.encode_src(t)) for t in texts if t.strip())
 
     def translate(self, texts: list[str], beam: int | None = None, nbest: int = 1, len_penalty: float | None = None,
-                  max_len_a: float | None = None, max_len_b: float | None = None,
-                  attention: bool = False) -> list[Translation]:
-        """Translations of texts in input order; unset settings come from the checkpoint's decode section."""
+                  max_len_a: float | None = None, max_len_b: float | None = None, attention: bool = False,
+                  progress: bool = False, first_line: int = 1) -> list[Translation]:
+        """Translations of texts in input order; unset settings come from the checkpoint's decode section.
+
+        progress: a progress bar on stderr (torch); first_line: the line number of texts[0] in warnings about
+        over-long lines (a caller translating a stream in chunks)."""
         if isinstance(texts, str) or not isinstance(texts, list | tuple):
             raise TypeError("texts must be a list of strings")
         bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
@@ -118,17 +174,23 @@ class Translator:
         dec = self.cfg.decode
         beam = _check_int("beam", dec.beam if beam is None else beam, 1)
         nbest = _check_int("nbest", nbest, 1, beam)
-        opts = dict(beam=beam,
-                    len_penalty=_check_float("len_penalty", dec.len_penalty if len_penalty is None else len_penalty),
-                    max_len_a=_check_float("max_len_a", dec.max_len_a if max_len_a is None else max_len_a, 0),
-                    max_len_b=_check_float("max_len_b", dec.max_len_b if max_len_b is None else max_len_b, 0),
-                    batch_tokens=self.batch_tokens, device=self.device, precision=self.precision)
+        search = dict(beam=beam,
+                      len_penalty=_check_float("len_penalty", dec.len_penalty if len_penalty is None else len_penalty),
+                      max_len_a=_check_float("max_len_a", dec.max_len_a if max_len_a is None else max_len_a, 0),
+                      max_len_b=_check_float("max_len_b", dec.max_len_b if max_len_b is None else max_len_b, 0))
         if not isinstance(attention, bool):
             raise TypeError(f"attention must be a bool, got {type(attention).__name__}")
+        if attention and self.engine != "torch":
+            raise ValueError(f"attention=True needs engine torch; this Translator runs {self.engine}")
         texts = list(texts)
         with self._lock:
+            if self.engine == "ctranslate2":
+                return self._translate_ct2(texts, nbest, search, first_line)
             # nbest > 1 needs beam search even at beam 1 (greedy keeps no scores), as decoding.translate_nbest
-            found = search_texts(self.model, self.tokenizer, texts, nbest=nbest, greedy_ok=nbest == 1, **opts)
+            found = search_texts(self.model, self.tokenizer, texts, nbest=nbest, greedy_ok=nbest == 1,
+                                 batch_tokens=self.batch_tokens, device=self.device, precision=self.precision,
+                                 use_cache=self.use_cache, max_src_len=self.max_src_len, progress=progress,
+                                 first_line=first_line, **search)
             out = []
             for text, hyps in zip(texts, found, strict=True):
                 pairs = [(self.tokenizer.decode_tgt(seq) if seq else "", _score(s)) for seq, s in hyps]
@@ -138,9 +200,20 @@ class Translator:
                 out.append(result)
         return out
 
+    def _translate_ct2(self, texts: list[str], nbest: int, search: dict, first_line: int) -> list[Translation]:
+        """The same Translations from CTranslate2 (ct2_engine maps our search onto it)."""
+        found = self.model.translate(texts, nbest=nbest, batch_tokens=self.batch_tokens, max_src_len=self.max_src_len,
+                                     first_line=first_line, **search)
+        out = []
+        for text, hyps in zip(texts, found, strict=True):
+            if search["beam"] == 1 and text.strip():  # as the torch engine's greedy search: no score
+                hyps = [(h, None) for h, _ in hyps]
+            out.append(Translation(hyps[0][0], hyps[0][1], list(hyps)))
+        return out
+
     def _attention(self, text: str, tokens: list[int]) -> tuple[list[str], list[str], list]:
         """(source pieces, output pieces, cross-attention [layer][head][tgt][src]) of one hypothesis."""
-        (src_ids,) = encode_sources(self.tokenizer, [text], source_limit(self.model, None))
+        (src_ids,) = encode_sources(self.tokenizer, [text], source_limit(self.model, self.max_src_len))
         if src_ids is None:  # an empty line was not translated: nothing attended
             return [], [], []
         src = torch.tensor([src_ids], device=self.device)  # (1,S)

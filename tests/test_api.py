@@ -143,8 +143,12 @@ def test_bad_texts_raise(translator, texts, message):
 
 
 def test_load_errors_are_one_line(run, tmp_path):
-    with pytest.raises(UserError, match="engine 'ctranslate2' is not available; use torch"):
+    with pytest.raises(UserError, match="is not a CTranslate2 export .*export it first: python export.py"):
         Translator.load(run, engine="ctranslate2")
+    with pytest.raises(UserError, match="engine 'onnx' is unknown; use auto, torch, ctranslate2"):
+        Translator.load(run, engine="onnx")
+    with pytest.raises(UserError, match="precision int8 needs engine ctranslate2"):
+        Translator.load(run, precision="int8")
     with pytest.raises(UserError, match="precision 'fp8' is unknown"):
         Translator.load(run, precision="fp8")
     with pytest.raises(UserError, match="checkpoint not found"):
