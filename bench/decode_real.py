@@ -7,7 +7,8 @@ run's decode section: beam, length penalty, max length) for every engine:
 - torch fp32 and torch bf16 (bf16 only where the CPU/GPU has it natively): translator.Translator, the code
   translate.py runs, batching by tokens;
 - CTranslate2 float32 and int8: the run exported by export.export_ctranslate2 into a temporary folder, decoded by
-  ct2_engine (our tokenizer, our length penalty and limits), with as many threads as torch uses.
+  ct2_engine through the same Translator (engine="ctranslate2"; our tokenizer, length penalty and limits), with
+  as many threads as torch uses.
 Timed: the translation call only (model loading and export excluded), median of --decode-repeats passes.
 Reported: sentences/s, target tokens/s (output BPE tokens, eos included), cased sacreBLEU and tokenized
 lowercased BLEU against the references, and the share of output lines identical to torch fp32's.
@@ -30,8 +31,6 @@ from runtime import native_bf16
 from scoring import score
 from translator import Translator
 
-CT2_TYPES = {"fp32": "float32", "int8": "int8"}  # engine precision -> CTranslate2 compute_type
-
 
 def timed(translate, sources: list[str], repeats: int) -> tuple[list[str], float]:
     """(outputs, median seconds of one pass)."""
@@ -45,7 +44,6 @@ def timed(translate, sources: list[str], repeats: int) -> tuple[list[str], float
 
 def engines(run: str, device: torch.device, work: Path):
     """(name, translate(list[str]) -> list[str]) for every engine this machine can run."""
-    threads = torch.get_num_threads()
     for precision in ("fp32", "bf16"):
         if precision == "bf16" and not native_bf16(device):
             continue
@@ -59,9 +57,9 @@ def engines(run: str, device: torch.device, work: Path):
         print(f"  CTranslate2 left out: {e}", file=sys.stderr)
         return
     folder = export_ctranslate2(run, work / "ct2", force=True)
-    for precision, compute_type in CT2_TYPES.items():
-        engine = ct2_engine.load(folder, compute_type=compute_type, threads=threads)
-        yield f"ctranslate2 {precision}", lambda s, e=engine: [h[0][0] for h in e.translate(s)]
+    for precision in ("fp32", "int8"):
+        tr = Translator.load(folder, device="cpu", precision=precision, engine="ctranslate2")
+        yield f"ctranslate2 {precision}", lambda s, tr=tr: [t.text for t in tr.translate(s)]
 
 
 def bench_engines(args, device: torch.device) -> dict:
