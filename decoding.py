@@ -191,6 +191,7 @@ def beam_search(model, src: torch.Tensor, beam: int, len_penalty: float, max_len
         _update_finished(finished, sent, tokens, n_done, cand, k, length_penalty(t + 1, len_penalty))
         scores, rows, nxt = _advance(cand, k)  # (N,k) each
         done = (n_done >= k) | at_max  # (N,)
+        same = None  # rows of the sentences still running, when some ended this step
         if done.any():
             keep = (~done).nonzero().squeeze(1)  # (N',)
             if keep.numel() == 0:
@@ -201,7 +202,7 @@ def beam_search(model, src: torch.Tensor, beam: int, len_penalty: float, max_len
             memory, src_mask = memory[same], src_mask[same]  # identical within a sentence: no beam reorder
         rows = rows.view(-1)  # (N',k) -> (N'*k,)
         if cache is not None:
-            cache.reorder(rows)  # beam reorder and dropping finished sentences in one index_select
+            cache.reorder_beams(rows, same)  # beam reorder and dropping finished sentences in one index_select
         tokens = torch.cat([tokens[rows], nxt.view(-1, 1)], dim=1)  # (N'*k,t+2)
         t += 1
     results = []

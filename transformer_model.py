@@ -256,10 +256,18 @@ class KVCache:
         return 0 if first is None else first[0].size(-2)
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Beam search: keep batch rows `index` (index_select along dim 0) of every cached tensor."""
+        """Keep batch rows `index` (index_select along dim 0) of every cached tensor."""
         for state in self.layers:
             for key, tensors in state.items():
                 state[key] = tuple(t.index_select(0, index) for t in tensors)
+
+    def reorder_beams(self, rows: torch.Tensor, kept: torch.Tensor | None) -> None:
+        """Beam search: self-attention state follows the beams (rows); the cross K/V, the same for every beam of
+        a sentence, only lose the rows of finished sentences (kept: rows left, None when no sentence ended)."""
+        for state in self.layers:
+            for key, tensors in state.items():
+                if key != "cross" or kept is not None:
+                    state[key] = tuple(t.index_select(0, rows if key != "cross" else kept) for t in tensors)
 
 
 # ---------------------------------------------------------------- layers

@@ -47,6 +47,9 @@ class StubCache:
     def reorder(self, index):
         self.prefix = self.prefix.index_select(0, index)
 
+    def reorder_beams(self, rows, kept):  # the prefix is per-beam state, like self-attention's K/V
+        self.reorder(rows)
+
 
 class StubModel(nn.Module):
     """Next-token probabilities looked up by (sentence id, prefix); the sentence id is the first source token.
