@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=PRECISIONS,
                    help="default: the checkpoint's decode.precision (fp32 unless set), as the training report "
                         "decodes; bf16 runs under autocast; int8 needs --engine ctranslate2")
+    s = p.add_argument_group("HTTP server (server.py: the API and the page; engine torch)")
+    s.add_argument("--serve", action="store_true", help="serve the model over HTTP instead of translating")
+    s.add_argument("--host", default="127.0.0.1", help="--serve: address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="--serve: TCP port (default: 8000)")
     a = p.add_argument_group("attention plot (engine torch)")
     a.add_argument("--plot-attention", metavar="OUT.png", help="cross-attention heatmap of the sentence")
     a.add_argument("--layer", type=int, help="decoder layer, from 1 (default: the last)")
@@ -417,8 +421,28 @@ def load_translator(args: argparse.Namespace) -> tuple[Translator, Path | None]:
     return tr, output
 
 
+def serve(args: argparse.Namespace) -> int:
+    """--serve: hand the model options to server.py, the one HTTP implementation."""
+    translating = [flag for flag, on in (("sentences", args.text), ("--input", args.input), ("--output", args.output),
+                                         ("--reference", args.reference), ("--plot-attention", args.plot_attention))
+                   if on]
+    if translating:
+        raise UserError(f"--serve serves requests; it takes no {', '.join(translating)}")
+    if args.precision == "int8" or args.engine == "ctranslate2":
+        raise UserError("--serve decodes with the torch engine (the page shows attention): no int8 or ctranslate2")
+    import server  # fastapi and uvicorn only when serving
+
+    argv = ["--checkpoint", args.checkpoint, "--host", args.host, "--port", str(args.port), "--device", args.device]
+    argv += ["--precision", args.precision] if args.precision else []
+    argv += ["--threads", str(args.threads)] if args.threads else []
+    argv += ["--max-batch-tokens", str(args.batch_tokens)] if args.batch_tokens else []
+    return server.main(argv)
+
+
 def translate(argv) -> int:
     args = build_parser().parse_intermixed_args(argv)  # sentences before and after options
+    if args.serve:
+        return serve(args)
     tr, output = load_translator(args)
     opts = search_options(args, tr.cfg.decode)
     if args.plot_attention:  # plot_attention checks them too, but only after the translation was printed

@@ -43,12 +43,13 @@ def translator(run) -> Translator:
 
 @pytest.fixture(scope="module")
 def server(run, tmp_path_factory):
-    """Base URL of `python server.py --checkpoint RUN --port FREE` started as a user does; stopped at the end."""
+    """Base URL of `python translate.py --checkpoint RUN --serve --port FREE` (server.py's command line behind
+    it) started as a user does; stopped at the end."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"  # a file, not a pipe: a full pipe would block it
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--checkpoint", str(run), "--port",
-                                 str(port), "--device", "cpu", "--threads", "1"], cwd=ROOT, stdout=out,
+        proc = subprocess.Popen([sys.executable, str(ROOT / "translate.py"), "--checkpoint", str(run), "--serve",
+                                 "--port", str(port), "--device", "cpu", "--threads", "1"], cwd=ROOT, stdout=out,
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -109,14 +110,15 @@ def test_results_equal_the_python_api(server, translator, settings):
     expected = translator.translate(texts, beam=settings.get("beam"), nbest=settings.get("nbest", 1),
                                     attention=settings.get("attention", False))
     assert data["beam"] == settings.get("beam", translator.default_beam)
-    assert data["model"] == translator.name == "run/checkpoint_avg.pt"
+    assert data["model"] == translator.name  # the run's chosen weights (avg or best, whichever won on val)
+    assert translator.name in ("run/checkpoint_avg.pt", "run/checkpoint_best.pt")
     assert_same(data["translations"], [as_json(t) for t in expected])
 
 
-def test_health(server):
+def test_health(server, translator):
     h = httpx.get(f"{server}/health", timeout=TIMEOUT).json()
     assert (h["status"], h["model"], h["device"], h["engine"], h["default_beam"]) == (
-        "ok", "run/checkpoint_avg.pt", "cpu", "torch", 2)
+        "ok", translator.name, "cpu", "torch", 2)
 
 
 def test_concurrent_requests_are_batched_and_faster_than_sequential(server, translator):
@@ -240,4 +242,13 @@ def test_command_line_errors_are_one_line(run):
                           (["--checkpoint", str(run), "--device", "tpu"], "error: --device 'tpu' is not a device")]:
         proc = subprocess.run([sys.executable, str(ROOT / "server.py"), *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
+
+
+def test_translate_serve_refuses_translation_options(run, tmp_path):
+    for args, message in [(["--input", str(tmp_path / "x.txt")], "error: --serve serves requests; it takes no --input"),
+                          (["A sentence."], "error: --serve serves requests; it takes no sentences"),
+                          (["--precision", "int8"], "error: --serve decodes with the torch engine")]:
+        proc = subprocess.run([sys.executable, str(ROOT / "translate.py"), "--checkpoint", str(run), "--serve", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
