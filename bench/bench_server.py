@@ -1,8 +1,10 @@
 """Load figures of server.py: requests/s, sentences/s and p50/p95 latency at 1, 8 and 64 concurrent clients,
-each request one sentence of tests/fixtures/test.en. Starts the server itself on a free loopback port.
+each request one sentence of --source (default tests/fixtures/test.en). Starts the server itself on a free
+loopback port.
 
     python bench/bench_server.py --checkpoint runs/tiny                       # after configs/tiny.yaml
-    python bench/bench_server.py --checkpoint runs/multi30k_en_de --requests 500 --clients 1 8 64
+    python bench/bench_server.py --checkpoint runs/multi30k_en_de --requests 500 --clients 1 8 64 \
+        --source data/prepared/multi30k_en-de_bpe8000_*/test_2016_flickr.en.txt
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ def main() -> None:
     p.add_argument("--limit-s", type=float, default=120, help="time limit per concurrency level")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     p.add_argument("--window-ms", type=float, default=10.0)
+    p.add_argument("--source", default=str(ROOT / "tests/fixtures/test.en"), help="sentences to send, one per line")
     args = p.parse_args()
-    sentences = (ROOT / "tests/fixtures/test.en").read_text("utf-8").splitlines()
+    sentences = [line for line in Path(args.source).read_text("utf-8").splitlines() if line.strip()]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
