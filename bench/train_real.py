@@ -196,6 +196,7 @@ class Contender:
         self.tokens: list[int] = []
         self.flops: list[float] = []
         self.warmup_s = 0.0
+        self.recipe_steps = 0  # train.max_steps of the recipe (set on the first contender)
 
     def warm(self, batches: list) -> None:
         """Untimed steps over every batch shape once: allocator, kernel choice, compilation (its time is kept)."""
@@ -229,6 +230,7 @@ def contenders(recipe: str, prepared_dir: str | None, precision: str, device: to
     batches = take_batches(ours, n_batches)
     cfg = ours.cfg.model
     out = [Contender("ours", precision, lambda b: ours.train_step([b]), cfg)]
+    out[0].recipe_steps = ours.cfg.train.max_steps
     if with_compile:
         compiled = real_setup(recipe, prepared_dir, precision, device, f"{work}/compiled_{precision}")
         compiled.forward = torch.compile(compiled.model)
@@ -263,7 +265,12 @@ def bench_precision(args, device: torch.device, precision: str, peak: float, wor
             print(f"  run {r + 1}/{args.repeats} {c.name}_{precision}: {c.tokens[-1] / c.times[-1]:.0f} tok/s",
                   file=sys.stderr, flush=True)
     shapes = [(*b[0].shape, b[1].size(1)) for b in batches]
-    return {"model": asdict(cfg), "runs": {f"{c.name}_{precision}": c.summary(peak) for c in group},
+    runs = {f"{c.name}_{precision}": c.summary(peak) for c in group}
+    steps = group[0].recipe_steps
+    per_step = statistics.mean(int(b[2].ne(pad).sum()) for b in batches)  # real target tokens per update
+    for r in runs.values():  # the compile decision: its warm-up counts once over a whole run of the recipe
+        r["recipe_minutes"] = (steps * per_step / r["tokens_per_s"] + r["warmup_s"]) / 60
+    return {"model": asdict(cfg), "runs": runs, "recipe_steps": steps,
             "mean_real_target_fraction": statistics.mean(float(b[2].ne(pad).float().mean()) for b in batches),
             "mean_batch_shape": [statistics.mean(s[i] for s in shapes) for i in range(3)]}
 
@@ -293,10 +300,11 @@ def report_lines(tr: dict) -> list[str]:
     lines = ["", f"training on real batches: the first {tr['batches']} batches of {tr['recipe']} (the trainer's "
              f"sampler and collate; mean batch {shape[0]:.0f} sentences x {shape[1]:.1f} source x {shape[2]:.1f} "
              f"target tokens, {tr['mean_real_target_fraction']:.0%} real target tokens), median of {tr['repeats']}",
-             f"{'config':<20} {'tgt tok/s':>10} {'TFLOP/s':>8} {'MFU':>7} {'warm-up s':>10}"]
+             f"{'config':<20} {'tgt tok/s':>10} {'TFLOP/s':>8} {'MFU':>7} {'warm-up s':>10} "
+             f"{'min for ' + str(tr['recipe_steps']) + ' updates':>22}"]
     for name, r in tr["runs"].items():
         lines.append(f"{name:<20} {r['tokens_per_s']:>10.0f} {r['model_tflops']:>8.4f} {r['mfu']:>7.1%} "
-                     f"{r['warmup_s']:>10.1f}")
+                     f"{r['warmup_s']:>10.1f} {r['recipe_minutes']:>22.1f}")
     for key, value in tr.items():
         if key.startswith(("ours_vs_torch_", "compile_vs_ours_")):
             lines.append(f"  {key}: {value:.2f}x")
