@@ -175,10 +175,19 @@ class StopSignals:
         self.log, self.last_good = log, last_good
         self.received: int | None = None
         self.in_loop = False
+        self.previous: dict[int, object] = {}
 
     def install(self) -> None:
-        signal.signal(signal.SIGINT, self.handle)
-        signal.signal(signal.SIGTERM, self.handle)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.previous[signum] = signal.signal(signum, self.handle)
+
+    def uninstall(self) -> None:
+        """Back to the handlers from before install(): once training code has returned, a SIGTERM (torchrun's
+        for the ranks left when one failed) must end the process where it is, not raise SystemExit inside
+        interpreter shutdown (an atexit hook) with a traceback."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous.clear()
 
     def handle(self, signum: int, _frame) -> None:
         name = signal.Signals(signum).name
@@ -710,20 +719,23 @@ def main(argv: list[str]) -> None:
                     f"run dir {trainer.run_dir}")
         trainer.train()
         leave_group(world)
-    except SystemExit:
-        if trainer is not None and trainer.signals.received is not None:
+    except BaseException as e:
+        if trainer is not None:
+            trainer.signals.uninstall()
+        if isinstance(e, SystemExit) and trainer is not None and trainer.signals.received is not None:
             leave_group(world)  # every rank stopped at the same step (sync_step) and rank 0 has saved
+        elif isinstance(e, RuntimeError) and world > 1 and lost_contact(e):
+            raise UserError(f"lost contact with the other training processes ({one_line(e, 120)}); one of them "
+                            f"failed or was killed (torchrun's report names it); "
+                            f"{trainer.last_good() if trainer else 'no checkpoint was written'}",
+                            quiet=rank != 0) from None
         raise
-    except RuntimeError as e:
-        if world == 1 or not lost_contact(e):
-            raise
-        raise UserError(f"lost contact with the other training processes ({one_line(e, 120)}); one of them "
-                        f"failed or was killed (torchrun's report names it); "
-                        f"{trainer.last_good() if trainer else 'no checkpoint was written'}",
-                        quiet=rank != 0) from None
-    if trainer.master:  # one process, no collective: the others have already left
-        final_report(trainer.model, trainer.tokenizer, trainer.prepared, cfg, trainer.run_dir, device,
-                     trainer.step, trainer.train_seconds)
+    try:
+        if trainer.master:  # one process, no collective: the others have already left
+            final_report(trainer.model, trainer.tokenizer, trainer.prepared, cfg, trainer.run_dir, device,
+                         trainer.step, trainer.train_seconds)
+    finally:
+        trainer.signals.uninstall()
 
 
 def lost_contact(error: RuntimeError) -> bool:

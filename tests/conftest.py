@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -63,6 +64,21 @@ def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
 
 def run_script(script: str, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     return finish(start_script(script, *args, cwd=cwd, env=env))
+
+
+def run_in_process(main, capsys, *args, monkeypatch=None, stdin: bytes | None = None) -> tuple:
+    """A script's main in this process through cli_main, as the script runs it: (status, stdout, stderr)."""
+    from runtime import cli_main
+
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    capsys.readouterr()
+    try:
+        status = cli_main(main, [str(a) for a in args]) or 0
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
 def multi30k_dir() -> Path | None:

@@ -3,7 +3,6 @@ decode precision shared by the training report and translate.py, on the tiny run
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pty
@@ -12,13 +11,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, fixture_lines
+from conftest import ROOT, fixture_lines, run_in_process
 
 import ct2_engine
 import evaluation
 import translate as tr
 from config import config_from_dict, validate
-from runtime import UserError, cli_main
+from runtime import UserError
 from translator import Translation, Translator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,16 +44,8 @@ def input_file(tmp_path_factory):
 
 
 def run_main(capsys, monkeypatch, *args, stdin: bytes | None = None):
-    """translate.main in this process through cli_main, as the script runs it: (status, stdout, stderr)."""
-    if stdin is not None:
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
-    capsys.readouterr()
-    try:
-        status = cli_main(tr.main, [str(a) for a in args]) or 0
-    except SystemExit as e:
-        status = e.code
-    out, err = capsys.readouterr()
-    return status, out, err
+    """translate.main in this process, as the script runs it: (status, stdout, stderr)."""
+    return run_in_process(tr.main, capsys, *args, monkeypatch=monkeypatch, stdin=stdin)
 
 
 def same_share(a: list[str], b: list[str]) -> float:

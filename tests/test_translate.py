@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, ROOT, fixture_data
+from conftest import FIXTURES, ROOT, fixture_data, run_in_process
 from torch import nn
 
 import checkpoint
@@ -24,7 +24,7 @@ import decoding
 import scoring
 import translate as tr
 from config import DataConfig, config_from_dict, config_to_dict, save_config
-from runtime import UserError, cli_main
+from runtime import UserError
 from transformer_model import ModelConfig, Transformer
 
 PAD, BOS, EOS, A, B = 0, 2, 3, 4, 5  # stub vocabulary: pad, unk, bos, eos, A, B
@@ -366,13 +366,8 @@ def cli(*args, stdin=None, timeout=120):
 
 
 def run_main(capsys, *args):
-    """translate.main in this process (fast), via cli_main as the script does: (status, stdout, stderr)."""
-    try:
-        status = cli_main(tr.main, [str(a) for a in args]) or 0
-    except SystemExit as e:
-        status = e.code
-    out, err = capsys.readouterr()
-    return status, out, err
+    """translate.main in this process (fast), as the script runs it: (status, stdout, stderr)."""
+    return run_in_process(tr.main, capsys, *args)
 
 
 def test_load_checkpoint_prefers_avg_then_best_then_last(run_dir, tmp_path):
