@@ -560,7 +560,7 @@ def main(argv) -> int:
             results["engines"] = bench_engines(args, device)
             save()
         elif not args.skip_decoding:
-            print(f"decoding ... (training took {seconds['training']:.0f} s)", file=sys.stderr, flush=True)
+            print(f"decoding ... ({time.perf_counter() - start:.0f} s so far)", file=sys.stderr, flush=True)
             results["decoding"], results["attention_variants"] = bench_decoding(args, device)
     seconds["total"] = time.perf_counter() - start
     results["targets"] = targets(results)
