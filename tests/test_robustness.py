@@ -10,7 +10,6 @@ in a subprocess. A tiny run trained once per module (configs/tiny.yaml) serves t
 import errno
 import gzip
 import hashlib
-import io
 import json
 import os
 import random
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import FIXTURES, ROOT, fixture_lines
+from conftest import FIXTURES, ROOT, fixture_lines, run_in_process
 
 import checkpoint
 import data_preparation as dp
@@ -71,15 +70,7 @@ def run_main(main, args, capsys, monkeypatch, stdin: bytes | None = None):
     monkeypatch.setenv("NMT_NO_TCMALLOC", "1")  # the trainer would otherwise re-exec this very process
     monkeypatch.setenv("NMT_DEBUG", "0")
     monkeypatch.delenv("MULTI30K_DIR", raising=False)
-    if stdin is not None:
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
-    capsys.readouterr()
-    try:
-        status = cli_main(main, [str(a) for a in args]) or 0
-    except SystemExit as e:
-        status = e.code
-    out, err = capsys.readouterr()
-    return status, out, err
+    return run_in_process(main, capsys, *args, monkeypatch=monkeypatch, stdin=stdin)
 
 
 def script(name, *args, timeout=120, stdin: bytes | None = None, env=None):
