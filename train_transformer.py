@@ -711,31 +711,32 @@ def main(argv: list[str]) -> None:
     cfg.train.precision = resolve_precision(cfg.train.precision, device)
     trainer = None
     try:
-        trainer = build_trainer(cfg, rank, world, device)
-        m = cfg.model
-        trainer.log(f"model: {count_parameters(trainer.model) / 1e6:.2f} M parameters, {m.attention}, "
-                    f"{m.n_enc_layers}+{m.n_dec_layers} layers, d_model {m.d_model} | train pairs "
-                    f"{len(trainer.train_split)} | {world} process(es) on {device} | {cfg.train.precision} | "
-                    f"run dir {trainer.run_dir}")
-        trainer.train()
-        leave_group(world)
-    except BaseException as e:
-        if trainer is not None:
-            trainer.signals.uninstall()
-        if isinstance(e, SystemExit) and trainer is not None and trainer.signals.received is not None:
-            leave_group(world)  # every rank stopped at the same step (sync_step) and rank 0 has saved
-        elif isinstance(e, RuntimeError) and world > 1 and lost_contact(e):
+        try:
+            trainer = build_trainer(cfg, rank, world, device)
+            m = cfg.model
+            trainer.log(f"model: {count_parameters(trainer.model) / 1e6:.2f} M parameters, {m.attention}, "
+                        f"{m.n_enc_layers}+{m.n_dec_layers} layers, d_model {m.d_model} | train pairs "
+                        f"{len(trainer.train_split)} | {world} process(es) on {device} | {cfg.train.precision} | "
+                        f"run dir {trainer.run_dir}")
+            trainer.train()
+            leave_group(world)
+        except SystemExit:
+            if trainer is not None and trainer.signals.received is not None:
+                leave_group(world)  # every rank stopped at the same step (sync_step) and rank 0 has saved
+            raise
+        except RuntimeError as e:
+            if world == 1 or not lost_contact(e):
+                raise
             raise UserError(f"lost contact with the other training processes ({one_line(e, 120)}); one of them "
                             f"failed or was killed (torchrun's report names it); "
                             f"{trainer.last_good() if trainer else 'no checkpoint was written'}",
                             quiet=rank != 0) from None
-        raise
-    try:
         if trainer.master:  # one process, no collective: the others have already left
             final_report(trainer.model, trainer.tokenizer, trainer.prepared, cfg, trainer.run_dir, device,
                          trainer.step, trainer.train_seconds)
     finally:
-        trainer.signals.uninstall()
+        if trainer is not None:
+            trainer.signals.uninstall()
 
 
 def lost_contact(error: RuntimeError) -> bool:
