@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from transformer_model import (
     Attention,
+    Dropout,
     ModelConfig,
     PositionalEncoding,
     Transformer,
@@ -44,6 +45,56 @@ def tokens(b: int, n: int, vocab: int, seed: int = 1) -> torch.Tensor:
 
 def close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-5) -> bool:
     return torch.allclose(a, b, atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------- dropout
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_dropout_keep_rate_scale_and_mean(p):
+    """Inverted dropout: a kept unit is x / keep probability, a dropped one 0; the keep rate is 1-p (within
+    2^-16 and sampling noise) and the mean is preserved."""
+    torch.manual_seed(0)
+    drop = Dropout(p).train()
+    x = torch.full((1000, 513), 2.0)  # an odd size: the last 64-bit draw is only partly used
+    y = drop(x)
+    keep = 1.0 - round(p * 65536) / 65536
+    assert abs(keep - (1 - p)) < 2**-16
+    values = torch.unique(y).tolist()
+    assert len(values) == 2 and values[0] == 0.0 and values[1] == pytest.approx(2.0 / keep, rel=1e-6)
+    rate = y.ne(0).float().mean().item()
+    assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / x.numel())
+    assert abs(y.mean().item() - 2.0) < 0.01
+
+
+def test_dropout_mask_is_random_per_call_seeded_and_uncorrelated():
+    """Fresh masks each call, the same masks after re-seeding (exact resume restores the generator), and the
+    four elements that share one 64-bit draw are independent (no lane is biased)."""
+    drop = Dropout(0.5).train()
+    x = torch.ones(4000, 64)
+    torch.manual_seed(3)
+    a, b = drop(x), drop(x)
+    torch.manual_seed(3)
+    assert torch.equal(drop(x), a) and not torch.equal(a, b)
+    lanes = a.ne(0).float().view(-1, 4)  # elements 4i..4i+3 come from draw i
+    assert torch.allclose(lanes.mean(0), torch.full((4,), 0.5), atol=0.01)
+    corr = torch.corrcoef(lanes.T - 0.5)
+    assert (corr - torch.eye(4)).abs().max() < 0.02
+
+
+def test_dropout_gradient_eval_mode_and_dtype():
+    drop = Dropout(0.3).train()
+    x = torch.randn(37, 29, dtype=torch.bfloat16, requires_grad=True)
+    y = drop(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    kept = y.ne(0) | x.eq(0)
+    assert torch.equal(x.grad.ne(0), kept)  # the gradient flows through kept units only, times the scale
+    scale = 1.0 / (1.0 - round(0.3 * 65536) / 65536)
+    assert torch.allclose(x.grad[kept].float(), torch.full_like(x.grad[kept].float(), scale), rtol=1e-2)
+    drop.eval()
+    assert torch.equal(drop(x), x)
+    assert torch.equal(Dropout(0.0).train()(x), x)
 
 
 # ---------------------------------------------------------------- positions
