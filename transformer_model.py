@@ -149,7 +149,10 @@ def fast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     dead = None
     if mask is not None:
         dead = ~mask.any(dim=-1, keepdim=True)  # (..,T,1) queries that see no key: the kernel may give NaN
-        mask = mask | dead  # let them see everything, then zero their output below
+        if q.device.type == "cpu" and not dead.any():  # the usual case; a GPU would have to sync to know
+            dead = None
+        else:
+            mask = mask | dead  # let them see everything, then zero their output below
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                          enable_gqa=q.size(1) != k.size(1))
     return out if dead is None else out.masked_fill(dead, 0.0)
