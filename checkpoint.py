@@ -108,18 +108,24 @@ def average_checkpoints(paths: list[Path]) -> dict:
     """Element-wise mean of the model weights (paper §6.1 averaged the last 5 or 20 checkpoints)."""
     if not paths:
         raise UserError("no checkpoints to average")
-    total, state = None, None
+    total, state, sha256 = None, None, None
     for p in paths:
         state = read_checkpoint(p)
         if total is None:
             total = {k: v.double().clone() for k, v in state["model"].items()}
+            sha256 = state.get("tokenizer_sha256")
         elif state["model"].keys() != total.keys():
             raise UserError(f"cannot average {p}: its parameters differ from {paths[0]}")
+        elif state.get("tokenizer_sha256") != sha256:
+            raise UserError(f"cannot average {p}: it was trained with another tokenizer than {paths[0]}")
         else:
             for k, v in state["model"].items():
                 total[k] += v.double()
     model = {k: (v / len(paths)).to(state["model"][k].dtype) for k, v in total.items()}
-    return {"model": model, "config": state["config"], "step": state["step"], "averaged": [p.name for p in paths]}
+    averaged = {"model": model, "config": state["config"], "step": state["step"], "averaged": [p.name for p in paths]}
+    if sha256 is not None:  # translate.py checks the run's tokenizer/ against it, as for any other checkpoint
+        averaged["tokenizer_sha256"] = sha256
+    return averaged
 
 
 def find_checkpoint(path) -> Path:

@@ -381,7 +381,7 @@ def test_run_dir_from_the_command_line(trained, run_copy):
 
 def damage_checkpoint(case: str, run: Path, tmp: Path) -> list:
     """Damage a copy of a run for translate.py; returns the arguments to pass."""
-    last = run / "checkpoint_best.pt"  # what translate.py picks in this run (no checkpoint_avg.pt)
+    last = checkpoint.find_checkpoint(run)  # the file translate.py reads: avg or best, whichever the run kept
     args = ["--checkpoint", run, "A dog runs."]
     if case == "truncated":
         last.write_bytes(last.read_bytes()[:3000])
@@ -478,7 +478,7 @@ def test_bad_checkpoint_or_translate_argument(case, message, run_copy, tmp_path,
 
 
 def test_truncated_checkpoint_from_the_command_line(run_copy):
-    last = run_copy / "checkpoint_best.pt"
+    last = checkpoint.find_checkpoint(run_copy)
     last.write_bytes(last.read_bytes()[:5000])
     status, out, err = script("translate.py", "--checkpoint", run_copy, "A dog.")
     assert_user_error(status, err, "cannot read checkpoint")

@@ -231,6 +231,17 @@ def test_average_checkpoints(tmp_path):
     assert torch.equal(avg["model"]["w"], torch.full((2,), 3.0)) and avg["step"] == 2
 
 
+def test_average_keeps_the_tokenizer_fingerprint(tmp_path):
+    """translate.py checks a run's tokenizer/ against the checkpoint's fingerprint: the average must carry it,
+    and checkpoints of two tokenizers are not averaged."""
+    for i, sha in enumerate(["aa", "aa", "bb"]):
+        torch.save({"model": {"w": torch.ones(2)}, "config": {}, "step": i, "tokenizer_sha256": sha},
+                   tmp_path / f"c{i}.pt")
+    assert average_checkpoints([tmp_path / "c0.pt", tmp_path / "c1.pt"])["tokenizer_sha256"] == "aa"
+    with pytest.raises(UserError, match="another tokenizer"):
+        average_checkpoints([tmp_path / f"c{i}.pt" for i in range(3)])
+
+
 # -- a model that must learn ------------------------------------------------------------------------------------
 
 
