@@ -483,6 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prepared-dir", help="data.prepared_dir for the recipe (reuse an existing prepared folder)")
     p.add_argument("--real-batches", type=int, help="real batches per timed run (default 20; quick 8; tiny 2)")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile contender")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile the project's step on the real batches: the N ops with the most self time")
     p.add_argument("--skip-real", action="store_true", help="leave out training on real batches")
     p.add_argument("--skip-synthetic", action="store_true", help="leave out the synthetic padded training table")
     p.add_argument("--engines", action="store_true", help="with --checkpoint: the engine table (torch fp32/bf16, "

@@ -291,7 +291,30 @@ def bench_real_training(args, device: torch.device, peaks: dict) -> dict:
             if not args.no_compile:
                 result[f"compile_vs_ours_{precision}"] = (runs[f"ours+compile_{precision}"]["tokens_per_s"]
                                                          / runs[f"ours_{precision}"]["tokens_per_s"])
+            if args.profile:
+                result.setdefault("profile", {})[precision] = profile_ours(args, device, precision, work,
+                                                                           args.profile)
     return result
+
+
+def profile_ours(args, device: torch.device, precision: str, work: str, top: int = 12) -> list[dict]:
+    """Where the time of the project's step goes: torch.profiler self time per op over the real batches (after
+    one warm-up pass), the `top` largest as {op, self_ms, share}; share is of all self time (CPU, or GPU on CUDA)."""
+    ours = real_setup(args.recipe, args.prepared_dir, precision, device, f"{work}/profile_{precision}")
+    batches = take_batches(ours, args.real_batches)
+    for b in batches:
+        ours.train_step([b])
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for b in batches:
+            ours.train_step([b])
+        sync(device)
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    return [{"op": e.key, "self_ms": getattr(e, attr) / 1e3, "share": getattr(e, attr) / total} for e in events[:top]]
 
 
 def report_lines(tr: dict) -> list[str]:
@@ -308,4 +331,8 @@ def report_lines(tr: dict) -> list[str]:
     for key, value in tr.items():
         if key.startswith(("ours_vs_torch_", "compile_vs_ours_")):
             lines.append(f"  {key}: {value:.2f}x")
+    for precision, rows in tr.get("profile", {}).items():
+        lines += ["", f"profile of ours_{precision} over the same {tr['batches']} batches (torch.profiler, self time)",
+                  f"{'op':<44} {'ms':>9} {'share':>7}"]
+        lines += [f"{r['op'][:44]:<44} {r['self_ms']:>9.1f} {r['share']:>7.1%}" for r in rows]
     return lines

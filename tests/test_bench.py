@@ -63,6 +63,16 @@ def test_quick_tiny_run_writes_every_section(tmp_path):
                                                                "cached vs uncached beam search"}
 
 
+def test_profile_of_the_real_step(tmp_path):
+    r = bench(tmp_path, "--quick", "--no-compile", "--skip-synthetic", "--skip-decoding", "--precisions", "fp32",
+              "--profile", "5", "--prepared-dir", str(tmp_path / "prepared"))
+    rows = r["real_training"]["profile"]["fp32"]
+    assert len(rows) == 5 and all(positive(row["self_ms"]) for row in rows)
+    shares = [row["share"] for row in rows]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1.0 + 1e-9
+    assert any(row["op"] in ("aten::mm", "aten::addmm", "aten::bmm") for row in rows), rows  # the model's matmuls
+
+
 def test_wmt14_base_mode(tmp_path):
     r = bench(tmp_path, "--wmt14-base-steps", "2", "--precisions", "fp32", NMT_NO_TCMALLOC="1")  # no re-exec
     w = r["wmt14_base"]
