@@ -333,6 +333,6 @@ def report_lines(tr: dict) -> list[str]:
             lines.append(f"  {key}: {value:.2f}x")
     for precision, rows in tr.get("profile", {}).items():
         lines += ["", f"profile of ours_{precision} over the same {tr['batches']} batches (torch.profiler, self time)",
-                  f"{'op':<44} {'ms':>9} {'share':>7}"]
-        lines += [f"{r['op'][:44]:<44} {r['self_ms']:>9.1f} {r['share']:>7.1%}" for r in rows]
+                  f"{'op':<60} {'ms':>9} {'share':>7}"]
+        lines += [f"{r['op'][:60]:<60} {r['self_ms']:>9.1f} {r['share']:>7.1%}" for r in rows]
     return lines
