@@ -24,10 +24,11 @@ How translate.py's search maps onto CTranslate2 4.x (read in its src/decoding.cc
   eos appended by score_batch. Greedy search is then exact. Beam search is exact unless the best hypothesis
   reaches the limit: CTranslate2 only keeps the prefixes whose continuation ranks in the top `beam` at that
   last step, while ours ends every live beam with eos, so such sentences can differ.
-- Empty outputs: min_decoding_length=0 (CTranslate2's default is 1). pad and bos are suppressed; CTranslate2
-  renormalises the other probabilities (ours sets them to -inf after the softmax without renormalising), so
-  search scores differ by log(1 - p(pad) - p(bos)) per step: about 0 for a trained model (0.005 per token for
-  the 30-step tiny model). Hypotheses rescored at the limit, and score(), use the unmasked log-probabilities.
+- Empty outputs: min_decoding_length=0 (CTranslate2's default is 1). pad and bos are suppressed, which masks
+  their logits before the softmax, as ours does, so both engines search the same distribution. (Masking after
+  the softmax instead shifted scores by log(1 - p(pad) - p(bos)) per step, 0.001-0.005 for the 30-step tiny
+  model: enough to swap two candidates 0.0003 apart.) Hypotheses rescored at the limit, and score(), use the
+  unmasked log-probabilities, as teacher forcing does: about 0 apart for a trained model.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Policies, in one place:
 - Empty or whitespace-only lines give an empty translation without running the model.
 - Every character is passed to the tokenizer as is (control characters, emoji, any script); a translation
   that decodes to a line break of any kind (\r, \v, \f, U+0085, U+2028...) has it replaced by a space.
-- pad and bos are never generated (their log-probabilities are set to -inf, without renormalising).
+- pad and bos are never generated: their logits are set to -inf before the softmax (renormalising the rest).
 - n-best lists have exactly nbest entries per sentence, best first: the hypotheses finished with eos (at the
   maximum length, every live beam is ended there with its score). Only if the search holds fewer distinct
   hypotheses (a beam wider than the vocabulary allows within a short length bound) is the list filled with
@@ -66,10 +66,12 @@ def next_log_probs(model, tokens: torch.Tensor, memory: torch.Tensor, src_mask: 
         h = model.decode(tokens[:, -1:], memory, src_mask, cache)  # (N,1,D): only the newest token is fed
     else:
         h = model.decode(tokens, memory, src_mask)  # (N,t+1,D): the whole prefix again, no cache
-    lprobs = model.generator(h[:, -1]).float().log_softmax(dim=-1)  # (N,V)
-    lprobs[:, PAD_ID] = NEG_INF  # never emit padding or a second bos
-    lprobs[:, BOS_ID] = NEG_INF
-    return lprobs
+    logits = model.generator(h[:, -1]).float()  # (N,V)
+    # never emit padding or a second bos; masked before the softmax, so the other tokens share their mass, as
+    # in CTranslate2: both engines then search the same distribution
+    logits[:, PAD_ID] = NEG_INF
+    logits[:, BOS_ID] = NEG_INF
+    return logits.log_softmax(dim=-1)
 
 
 def greedy_search(model, src: torch.Tensor, max_len_a: float, max_len_b: float,

@@ -107,6 +107,29 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def unexplained_differences(model, tokenizer, lines: list[str], theirs: list[str], beam: int, len_penalty: float,
+                            max_len_a: float, max_len_b: float) -> list[tuple[str, str, str]]:
+    """(line, ours, theirs) for each line where another engine's best translation differs from our beam search's,
+    except the one documented case (ct2_engine docstring): our best hypothesis runs to the maximum length, where
+    CTranslate2 keeps only some of the beams, so its best must then be one of our n-best list."""
+    import torch
+
+    import decoding
+
+    found = decoding.search_texts(model, tokenizer, lines, beam=beam, len_penalty=len_penalty, max_len_a=max_len_a,
+                                  max_len_b=max_len_b, nbest=beam, greedy_ok=False)
+    problems = []
+    for line, hyps, their in zip(lines, found, theirs, strict=True):
+        ours = [tokenizer.decode_tgt(ids) for ids, _ in hyps]
+        if their == ours[0]:
+            continue
+        source = torch.ones(1, len(tokenizer.encode_src(line)))  # (1,S) real tokens, eos included
+        limit = int(decoding.max_lengths(model, source, max_len_a, max_len_b))
+        if not (len(hyps[0][0]) == limit and their in ours):
+            problems.append((line, ours[0], their))
+    return problems
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
     """The run directory of configs/tiny.yaml trained once per session by the real script (seconds, one thread).
