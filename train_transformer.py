@@ -45,7 +45,7 @@ from checkpoint import (
 )
 from config import FINETUNE_FREE_MODEL_FIELDS, Config, finetune_mismatches, load_config, read_yaml, validate
 from evaluation import bleu_on, final_report, valid_loss
-from loss import label_smoothed_nll
+from loss import TranslationLoss
 from rundir import (
     RUN_CONTROL,
     MetricsLog,
@@ -207,8 +207,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, model: Transformer, forward, optimizer: torch.optim.Optimizer,
                  stream: dp.BatchStream, data: dict, rank: int, world: int, device: torch.device):
-        """forward: the model as trained (DDP and/or torch.compile wrapped); data: prepared, tokenizer, train,
-        valid, tokenizer_sha256 (see build_trainer)."""
+        """forward: the model with its loss (loss.TranslationLoss) as trained, DDP and/or torch.compile wrapped;
+        data: prepared, tokenizer, train, valid, tokenizer_sha256 (see build_trainer)."""
         self.cfg, self.model, self.forward, self.optimizer, self.stream = cfg, model, forward, optimizer, stream
         self.prepared, self.tokenizer = data["prepared"], data["tokenizer"]
         self.train_split, self.valid_split, self.tokenizer_sha256 = data["train"], data["valid"], data["sha256"]
@@ -295,9 +295,7 @@ class Trainer:
             sync = i == len(group) - 1 or self.world == 1
             with contextlib.nullcontext() if sync else self.forward.no_sync():  # compile forwards no_sync
                 with autocast(self.device, t.precision):
-                    keep = tgt_out.ne(pad)  # (B,T) real target tokens
-                    logits = self.forward(src, tgt_in, keep=keep)  # (N,V)
-                loss, nll = label_smoothed_nll(logits, tgt_out[keep], t.label_smoothing, pad)
+                    loss, nll = self.forward(src, tgt_in, tgt_out)  # sums over the real target tokens
                 self.scaler.scale(loss * self.world / ntok).backward()
             nll_total += float(nll.detach())
         self.scaler.unscale_(self.optimizer)
@@ -521,7 +519,7 @@ def build_trainer(cfg: Config, rank: int, world: int, device: torch.device) -> T
     agree_on_setup(error, world)
     if world > 1:  # DDP's constructor broadcasts rank 0's weights: a collective, so only after the agreement
         trainer.forward = torch.nn.parallel.DistributedDataParallel(
-            trainer.model, device_ids=[device.index] if device.type == "cuda" else None)
+            trainer.forward, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.train.compile:
         trainer.forward = torch.compile(trainer.forward)
     if rank == 0:
@@ -563,7 +561,8 @@ def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Tr
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay)
     stream = dp.BatchStream(train, sampler, data["tokenizer"].pad_id, t.pad_multiple, t.max_epochs)
-    trainer = Trainer(cfg, model, model, optimizer, stream, data, rank, world, device)
+    objective = TranslationLoss(model, t.label_smoothing, data["tokenizer"].pad_id)
+    trainer = Trainer(cfg, model, objective, optimizer, stream, data, rank, world, device)
     if init is not None:
         trainer.log(f"fine-tuning: weights and tokenizer from {init['file']}; new optimizer and lr schedule")
     resumed_from = trainer.load_last() if resuming else None

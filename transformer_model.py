@@ -466,11 +466,16 @@ class Transformer(nn.Module):
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B,T,V) of the next token at every target position (teacher forcing).
 
-        keep (B,T), True at the N positions that need logits, gives logits (N,V) instead: training passes the
-        real target tokens, so the V-wide output projection, the largest matmul, is not spent on padding."""
+        keep (B,T), True at the N positions that need logits, gives logits (N,V) instead: the V-wide output
+        projection, the largest matmul, is not spent on padding."""
+        return self.generator(self.features(src, tgt_in, keep))  # (B,T,D) -> (B,T,V), or (N,D) -> (N,V)
+
+    def features(self, src: torch.Tensor, tgt_in: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's output (B,T,D), the input of the pre-softmax projection; with keep (B,T), its (N,D) rows
+        where keep is True (training fuses the projection into its loss: loss.projected_label_smoothed_nll)."""
         memory, src_mask = self.encode(src)
         h = self.decode(tgt_in, memory, src_mask)  # (B,T,D)
-        return self.generator(h if keep is None else h[keep])  # (B,T,V), or (B,T,D)[keep] -> (N,D) -> (N,V)
+        return h if keep is None else h[keep]  # (B,T,D)[keep] -> (N,D)
 
     def forward_with_attention(self, src: torch.Tensor, tgt_in: torch.Tensor) -> "AttentionResult":
         """forward() through the textbook path of eq. (1) (explicit_attention), keeping every attention weight."""

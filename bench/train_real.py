@@ -2,8 +2,9 @@
 
 The batches are the first N of epoch 1 from the trainer's own TokenBatchSampler and collate (train_transformer.
 build_pieces on a recipe file), the same batches in the same order for every contender:
-- "ours":         Trainer.train_step exactly as train_transformer.py runs it (logits at real target tokens,
-                  loss.label_smoothed_nll, gradient normalised by target tokens, Adam with the recipe's schedule);
+- "ours":         Trainer.train_step exactly as train_transformer.py runs it (loss.TranslationLoss: the output
+                  projection fused into the label-smoothed loss, at real target tokens only; gradient normalised by
+                  target tokens, Adam with the recipe's schedule);
 - "ours+compile": the same Trainer with its forward under torch.compile, as train.compile=true makes it;
 - "torch":        torch.nn.Transformer with the same dims (bench_speed.TorchTransformer), logits at every position
                   and stock F.cross_entropy(label_smoothing), Adam with the same schedule.
@@ -233,7 +234,7 @@ def contenders(recipe: str, prepared_dir: str | None, precision: str, device: to
     out[0].recipe_steps = ours.cfg.train.max_steps
     if with_compile:
         compiled = real_setup(recipe, prepared_dir, precision, device, f"{work}/compiled_{precision}")
-        compiled.forward = torch.compile(compiled.model)
+        compiled.forward = torch.compile(compiled.forward)  # the model with its fused loss, as the trainer compiles it
         out.append(Contender("ours+compile", precision, lambda b: compiled.train_step([b]), cfg))
     torch.manual_seed(ours.cfg.train.seed)
     base = StepTrainer("torch", TorchTransformer(cfg), precision, False, device)

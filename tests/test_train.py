@@ -14,7 +14,7 @@ import yaml
 
 from checkpoint import average_checkpoints, read_checkpoint
 from config import load_config
-from loss import label_smoothed_nll
+from loss import ROWS_PER_PASS, TranslationLoss, label_smoothed_nll, projected_label_smoothed_nll
 from runtime import UserError
 from train_transformer import cooldown_factor, learning_rate
 from transformer_model import ModelConfig, Transformer
@@ -105,6 +105,55 @@ def test_label_smoothing_gradient_matches_autograd(eps):
     assert torch.allclose(ours, ref, rtol=0, atol=1e-12)
     assert ours[2, 2:].abs().max() == 0  # padding gets no gradient
     assert torch.autograd.gradcheck(lambda z: label_smoothed_nll(z, tgt, eps, 0), (logits,))
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_projected_loss_equals_loss_of_the_logits(eps):
+    """The fused projection + loss (what the trainer runs) gives label_smoothed_nll(hidden @ W.T) and its
+    gradients, over more rows than one block; gradcheck in float64; a second backward through a retained graph
+    (the first one turned the kept softmax into the gradient in place) gives the same gradients again."""
+    n, d, v = 2 * ROWS_PER_PASS + 5, 6, 13
+    hidden = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, d, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randint(1, v, (n,))
+    loss, nll = projected_label_smoothed_nll(hidden, weight, tgt, eps)
+    ref_loss, ref_nll = label_smoothed_nll(hidden @ weight.t(), tgt, eps, pad_id=0)
+    torch.testing.assert_close((loss, nll), (ref_loss, ref_nll))
+    ours = torch.autograd.grad(0.7 * loss - 1.3 * nll, (hidden, weight), retain_graph=True)
+    ref = torch.autograd.grad(0.7 * ref_loss - 1.3 * ref_nll, (hidden, weight))
+    again = torch.autograd.grad(0.7 * loss - 1.3 * nll, (hidden, weight))
+    for a, b, c in zip(ours, ref, again, strict=True):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(c, b)
+    small = (hidden[:7].detach().requires_grad_(), weight.detach().requires_grad_())
+    assert torch.autograd.gradcheck(lambda h, w: projected_label_smoothed_nll(h, w, tgt[:7], eps), small)
+
+
+def test_translation_loss_equals_the_model_logits_path():
+    """TranslationLoss (fused output projection, what DDP wraps) gives the loss and parameter gradients of
+    model(src, tgt_in, keep) followed by label_smoothed_nll, in fp32 and under bf16 autocast."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(src_vocab_size=23, tgt_vocab_size=23, d_model=16, n_heads=4, n_enc_layers=1,
+                                    n_dec_layers=1, d_ff=32, dropout=0.0, share_embeddings=True))
+    src, tgt_in, tgt_out = (torch.randint(1, 23, (3, n)) for n in (6, 5, 5))
+    src[0, 4:], tgt_in[1, 3:], tgt_out[1, 2:] = 0, 0, 0
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        runs = []
+        for fused in (False, True):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                if fused:
+                    loss, nll = TranslationLoss(model, 0.1, pad_id=0)(src, tgt_in, tgt_out)
+                else:
+                    keep = tgt_out.ne(0)
+                    loss, nll = label_smoothed_nll(model(src, tgt_in, keep=keep), tgt_out[keep], 0.1, pad_id=0)
+            loss.backward()
+            runs.append((loss.detach(), nll.detach(), [p.grad.clone() for p in model.parameters()]))
+        (loss_a, nll_a, grads_a), (loss_b, nll_b, grads_b) = runs
+        torch.testing.assert_close((loss_b, nll_b), (loss_a, nll_a), rtol=tol, atol=tol)
+        for a, b in zip(grads_a, grads_b, strict=True):
+            assert b.dtype == torch.float32
+            torch.testing.assert_close(b, a, rtol=tol, atol=tol)
 
 
 def test_loss_on_kept_logits_equals_loss_on_padded_logits():
