@@ -178,13 +178,20 @@ def test_unwritable_output_folder_names_the_output(run_dir, capsys):  # noqa: F8
     assert status == 2 and err.count("\n") == 1 and f"--output {out}: " in err and ".tmp" not in err, err
 
 
+def default_sigint() -> None:
+    """Ctrl-C's default action in the child, as in a terminal: a suite started in the background (`cmd &` in a
+    script) runs with SIGINT ignored, which the child would inherit, and Python then never raises
+    KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_during_output_leaves_no_temp_file(sig, code, run_dir, tmp_path):  # noqa: F811
     out = tmp_path / "out.de"
     out.write_text("previous\n", encoding="utf-8")
     proc = subprocess.Popen([sys.executable, str(ROOT / "translate.py"), "--checkpoint", str(run_dir),
                              "--output", str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=ROOT, env=CLI_ENV)
+                            stderr=subprocess.PIPE, cwd=ROOT, env=CLI_ENV, preexec_fn=default_sigint)
     try:
         proc.stdin.write(b"A dog runs.\n")  # stdin stays open: the command waits inside atomic_write
         proc.stdin.flush()
