@@ -140,6 +140,10 @@ def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: floa
     return loss.masked_fill(pad, 0.0).sum(), nll.masked_fill(pad, 0.0).sum()
 
 
+# torch.compile runs this as it is: traced, its loop over blocks of rows is unrolled, a graph of thousands of ops
+# for every number of target tokens N (every batch): the first batch of the En->De recipe took 118 s to compile
+# instead of 22, and the benchmark's warm-up grew past 5 minutes and 8 GB
+@torch.compiler.disable
 def projected_label_smoothed_nll(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                  epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
     """label_smoothed_nll(hidden @ weight.T, target) for hidden (N,D) at real target tokens, target (N,), weight

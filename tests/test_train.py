@@ -156,6 +156,33 @@ def test_translation_loss_equals_the_model_logits_path():
             torch.testing.assert_close(b, a, rtol=tol, atol=tol)
 
 
+def test_translation_loss_under_torch_compile():
+    """train.compile wraps TranslationLoss: compiled, it gives eager's loss and gradients on batches of different
+    target-token counts, and the fused loss stays out of the graph (torch.compiler.disable): traced, its loop over
+    blocks of rows made one graph per count, each compiled from scratch."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Transformer(ModelConfig(src_vocab_size=23, tgt_vocab_size=23, d_model=16, n_heads=4, n_enc_layers=1,
+                                    n_dec_layers=1, d_ff=32, dropout=0.0, share_embeddings=True))
+    objective = TranslationLoss(model, 0.1, pad_id=0)
+    compiled = torch.compile(objective)
+    for n in (5, 7, ROWS_PER_PASS + 3):  # a third shape: dynamic shapes, not one graph per batch
+        src, tgt_in, tgt_out = (torch.randint(1, 23, (3, n)) for _ in range(3))
+        tgt_out[1, n - 2:] = 0
+        runs = []
+        for f in (objective, compiled):
+            model.zero_grad()
+            loss, nll = f(src, tgt_in, tgt_out)
+            loss.backward()
+            runs.append((loss.detach(), nll.detach(), [p.grad.clone() for p in model.parameters()]))
+        torch.testing.assert_close(runs[1][:2], runs[0][:2], rtol=1e-5, atol=1e-5)
+        for a, b in zip(runs[0][2], runs[1][2], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    explained = torch._dynamo.explain(objective)(src, tgt_in, tgt_out)
+    traced = [g.print_readable(print_output=False) for g in explained.graphs]  # with their subgraphs
+    assert traced and not any("amax" in code for code in traced)  # amax: the loss's row maxima
+
+
 def test_loss_on_kept_logits_equals_loss_on_padded_logits():
     """The trainer's step (logits at real target tokens only) gives the loss and gradients of the plain one."""
     torch.manual_seed(0)
