@@ -111,8 +111,8 @@ def average_checkpoints(paths: list[Path]) -> dict:
     total, state, sha256 = None, None, None
     for p in paths:
         state = read_checkpoint(p)
-        if total is None:
-            total = {k: v.double().clone() for k, v in state["model"].items()}
+        if total is None:  # integer buffers (the output vocabulary's ids) are kept, not averaged
+            total = {k: v.double().clone() if v.is_floating_point() else v for k, v in state["model"].items()}
             sha256 = state.get("tokenizer_sha256")
         elif state["model"].keys() != total.keys():
             raise UserError(f"cannot average {p}: its parameters differ from {paths[0]}")
@@ -120,8 +120,12 @@ def average_checkpoints(paths: list[Path]) -> dict:
             raise UserError(f"cannot average {p}: it was trained with another tokenizer than {paths[0]}")
         else:
             for k, v in state["model"].items():
-                total[k] += v.double()
-    model = {k: (v / len(paths)).to(state["model"][k].dtype) for k, v in total.items()}
+                if v.is_floating_point():
+                    total[k] += v.double()
+                elif not torch.equal(v, total[k]):
+                    raise UserError(f"cannot average {p}: its {k} differs from {paths[0]}'s")
+    model = {k: (v / len(paths)).to(state["model"][k].dtype) if v.is_floating_point() else v
+             for k, v in total.items()}
     averaged = {"model": model, "config": state["config"], "step": state["step"], "averaged": [p.name for p in paths]}
     if sha256 is not None:  # translate.py checks the run's tokenizer/ against it, as for any other checkpoint
         averaged["tokenizer_sha256"] = sha256

@@ -66,7 +66,7 @@ def next_log_probs(model, tokens: torch.Tensor, memory: torch.Tensor, src_mask: 
         h = model.decode(tokens[:, -1:], memory, src_mask, cache)  # (N,1,D): only the newest token is fed
     else:
         h = model.decode(tokens, memory, src_mask)  # (N,t+1,D): the whole prefix again, no cache
-    logits = model.generator(h[:, -1]).float()  # (N,V)
+    logits = model.logits(h[:, -1]).float()  # (N,V)
     # never emit padding or a second bos; masked before the softmax, so the other tokens share their mass, as
     # in CTranslate2: both engines then search the same distribution
     logits[:, PAD_ID] = NEG_INF

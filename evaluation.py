@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import data_preparation as dp
 from checkpoint import average_checkpoints, read_checkpoint, save_checkpoint, step_checkpoints
@@ -33,9 +34,10 @@ def valid_loss(model: Transformer, split: dp.Split, cfg: Config, device: torch.d
     for indices in sampler:
         src, tgt_in, tgt_out = (x.to(device) for x in dp.collate(split, indices, pad, cfg.train.pad_multiple))
         keep = tgt_out.ne(pad)  # (B,T) real target tokens
-        with autocast(device, cfg.train.precision):
-            logits = model(src, tgt_in, keep=keep)  # (N,V)
-        total += float(label_smoothed_nll(logits, tgt_out[keep], 0.0, pad)[1])
+        with autocast(device, cfg.train.precision):  # the logits of the output vocabulary only: no -inf columns
+            logits = F.linear(model.features(src, tgt_in, keep), model.output_weight())  # (N,Vo)
+        target = model.output_rows(tgt_out[keep], dp.UNK_ID)  # (N,)
+        total += float(label_smoothed_nll(logits, target, 0.0, pad_id=-1)[1])  # -1: no padding left to mask
         count += int(keep.sum())
     model.train(was_training)
     return total / max(count, 1)

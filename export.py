@@ -117,6 +117,9 @@ def build_spec(ct2, model: Transformer, src_vocab: list[str], tgt_vocab: list[st
     decoder.embeddings.weight = _np(model.tgt_embed.weight)
     decoder.position_encodings.encodings = table
     decoder.projection.weight = _np(model.generator.weight)
+    if model.output_ids is not None:  # tokens outside the output vocabulary: our -inf logit, as a bias
+        bias = torch.full((cfg.tgt_vocab_size,), -1e9)  # (V,) finite: int8/fp16 conversions keep it a number
+        decoder.projection.bias = _np(bias.index_fill(0, model.output_ids, 0.0))
     for spec, layer in zip(decoder.layer, model.decoder, strict=True):
         _set_attention(spec.self_attention, layer.self_attn, layer.norm1)
         _set_attention(spec.attention, layer.cross_attn, layer.norm2)

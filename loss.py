@@ -157,12 +157,13 @@ class TranslationLoss(nn.Module):
     (as fairseq's criterion(model, sample)): (src, tgt_in, tgt_out) -> (smoothed loss sum, NLL sum) over the real
     target tokens; the model's logits are never formed, its output projection is fused into the loss."""
 
-    def __init__(self, model: nn.Module, epsilon: float, pad_id: int):
+    def __init__(self, model: nn.Module, epsilon: float, pad_id: int, unk_id: int = 1):
         super().__init__()
-        self.model, self.epsilon, self.pad_id = model, epsilon, pad_id
+        self.model, self.epsilon, self.pad_id, self.unk_id = model, epsilon, pad_id, unk_id
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor,
                 tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keep = tgt_out.ne(self.pad_id)  # (B,T) real target tokens
         hidden = self.model.features(src, tgt_in, keep)  # (N,D)
-        return projected_label_smoothed_nll(hidden, self.model.generator.weight, tgt_out[keep], self.epsilon)
+        target = self.model.output_rows(tgt_out[keep], self.unk_id)  # (N,) rows of the output vocabulary
+        return projected_label_smoothed_nll(hidden, self.model.output_weight(), target, self.epsilon)

@@ -51,6 +51,7 @@ from rundir import (
     MetricsLog,
     check_run_dir,
     claim_run_dir,
+    load_config_dict,
     lock_run_dir,
     run_config_dict,
     save_run_config,
@@ -491,6 +492,26 @@ def read_init_from(cfg: Config) -> dict | None:
     return {"file": file, "model": model.state_dict(), "tokenizer": tokenizer.folder}
 
 
+def output_vocabulary(cfg: Config, init: dict | None, train: dp.Split) -> torch.Tensor | None:
+    """model.output_vocab 'target': the token ids (Vo,) the decoder may emit, ascending, with cfg.model.output_size
+    set to their number. From scratch, every token of the training targets plus eos and unk; fine-tuning keeps the
+    source model's; resuming, the run's own (None: its checkpoint holds them)."""
+    if cfg.model.output_vocab != "target":
+        return None
+    saved = load_config_dict(Path(cfg.train.out_dir) / "config.yaml") if cfg.train.resume else None
+    if saved is not None:
+        cfg.model.output_size = int(saved.get("model", {}).get("output_size", 0))
+        return None
+    if init is not None:
+        ids = init["model"]["output_ids"]
+    else:
+        counts = np.bincount(np.asarray(train.tgt_tokens), minlength=cfg.model.tgt_vocab_size)  # (V,)
+        counts[[dp.EOS_ID, dp.UNK_ID]] += 1
+        ids = torch.from_numpy(np.flatnonzero(counts))
+    cfg.model.output_size = int(ids.numel())
+    return ids
+
+
 def inherited_tokenizer(cfg: Config, init: dict | None) -> Path | None:
     """The saved tokenizer a fine-tuned run encodes its data with (None: the run trains its own). Starting, the
     source's; resuming or reporting, the run's own tokenizer/, a byte copy (the same prepared data), which keeps
@@ -547,6 +568,7 @@ def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Tr
     t = cfg.train
     init = read_init_from(cfg)
     data = load_data(cfg, world, inherited_tokenizer(cfg, init))
+    output_ids = output_vocabulary(cfg, init, data["train"])
     run_dir = Path(t.out_dir)
     resuming = check_run_dir(cfg, run_dir)  # read-only: a refusal touches nothing
     torch.manual_seed(t.seed)
@@ -555,13 +577,15 @@ def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Tr
     model = Transformer(cfg.model).to(device)
     if init is not None:  # the weights alone: optimizer, lr schedule and step count start afresh, a new run
         model.load_state_dict(init["model"])
+    elif output_ids is not None:
+        model.output_ids.copy_(output_ids)
     train = data["train"]
     sampler = dp.TokenBatchSampler(train.src_lengths, train.tgt_lengths, t.max_tokens, shuffle=True, seed=t.seed,
                                    rank=rank, world_size=world, pad_multiple=t.pad_multiple)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay)
     stream = dp.BatchStream(train, sampler, data["tokenizer"].pad_id, t.pad_multiple, t.max_epochs)
-    objective = TranslationLoss(model, t.label_smoothing, data["tokenizer"].pad_id)
+    objective = TranslationLoss(model, t.label_smoothing, data["tokenizer"].pad_id, data["tokenizer"].unk_id)
     trainer = Trainer(cfg, model, objective, optimizer, stream, data, rank, world, device)
     if init is not None:
         trainer.log(f"fine-tuning: weights and tokenizer from {init['file']}; new optimizer and lr schedule")

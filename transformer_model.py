@@ -9,6 +9,7 @@ Legend of dimension letters used in shape comments:
     B batch          S source length     T target (query) length     N key length (S, T, or cache + new)
     D d_model        H query heads       K key/value heads           Dh head dim = D / H
     F d_ff           L MLA kv latent     Lq MLA query latent         V vocabulary size
+    Vo output vocabulary (output_vocab "target": the tokens seen as targets in training; else Vo = V)
 Masks are boolean with "True = may attend"; a key padding mask (B,S) is True at real tokens.
 """
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ATTENTION_KINDS = ("mha", "mqa", "gqa", "mla")
+OUTPUT_VOCABS = ("all", "target")
 
 
 @dataclass
@@ -45,6 +47,8 @@ class ModelConfig:
     attention: str = "mha"  # mha | mqa | gqa | mla
     kv_latent_dim: int = 0  # mla: size L of the cached latent c_kv; 0 = d_model // 4 (cache 8x below MHA)
     q_latent_dim: int = 0  # mla: size Lq of the query latent; 0 = queries projected directly from x
+    output_vocab: str = "all"  # all | target: the softmax covers only the tokens seen as targets in training
+    output_size: int = 0  # output_vocab target: how many (the trainer fills it, like the vocabulary sizes)
 
     @property
     def head_dim(self) -> int:
@@ -90,6 +94,9 @@ class ModelConfig:
         need(self.kv_latent_dim >= 0 and self.q_latent_dim >= 0, "latent sizes must be >= 0")
         need(self.attention == "mla" or self.kv_latent_dim == self.q_latent_dim == 0,
              "kv_latent_dim / q_latent_dim only apply to attention='mla'")
+        need(self.output_vocab in OUTPUT_VOCABS, f"output_vocab={self.output_vocab!r}, expected {OUTPUT_VOCABS}")
+        need(0 <= self.output_size <= self.tgt_vocab_size and (self.output_vocab == "target" or not self.output_size),
+             f"output_size={self.output_size} must be within the target vocabulary, and 0 unless output_vocab='target'")
         need(not self.share_embeddings or self.src_vocab_size == self.tgt_vocab_size,
              f"share_embeddings needs one joint vocabulary, got src_vocab_size={self.src_vocab_size} "
              f"!= tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False or use a joint vocabulary")
@@ -396,6 +403,12 @@ class Transformer(nn.Module):
         self.generator = nn.Linear(d, cfg.tgt_vocab_size, bias=False)  # the pre-softmax projection of §3.4
         if cfg.tie_output or cfg.share_embeddings:
             self.generator.weight = self.tgt_embed.weight
+        # Why a target-side output vocabulary: a joint BPE vocabulary holds source-language pieces the decoder
+        # never emits (a third of Multi30k's 8000 for German targets, half for English), and the V-wide softmax is
+        # the model's largest matmul. The ids (Vo,) ascending; set by the trainer, then saved with the weights.
+        if cfg.output_vocab == "target" and cfg.output_size < 1:
+            raise ValueError("invalid model config: output_vocab='target' needs output_size >= 1 (the trainer sets it)")
+        self.register_buffer("output_ids", torch.zeros(cfg.output_size, dtype=torch.long) if cfg.output_size else None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -468,7 +481,30 @@ class Transformer(nn.Module):
 
         keep (B,T), True at the N positions that need logits, gives logits (N,V) instead: the V-wide output
         projection, the largest matmul, is not spent on padding."""
-        return self.generator(self.features(src, tgt_in, keep))  # (B,T,D) -> (B,T,V), or (N,D) -> (N,V)
+        return self.logits(self.features(src, tgt_in, keep))  # (B,T,D) -> (B,T,V), or (N,D) -> (N,V)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The pre-softmax projection of §3.4: (...,D) -> (...,V); tokens outside the output vocabulary get -inf."""
+        if self.output_ids is None:
+            return self.generator(h)
+        z = F.linear(h, self.output_weight())  # (...,Vo)
+        full = z.new_full((*z.shape[:-1], self.cfg.tgt_vocab_size), float("-inf"))  # (...,V)
+        return full.index_copy(-1, self.output_ids, z)
+
+    def output_weight(self) -> torch.Tensor:
+        """The projection's rows for the output vocabulary: (V,D), or (Vo,D) with output_vocab 'target'."""
+        w = self.generator.weight  # (V,D)
+        return w if self.output_ids is None else w.index_select(0, self.output_ids)
+
+    def output_rows(self, tokens: torch.Tensor, unk_id: int) -> torch.Tensor:
+        """Target token ids -> their rows in output_weight() (the same ids with output_vocab 'all'). A token the
+        model cannot emit counts as unk, as in a word vocabulary: validation text, or a fine-tuning corpus."""
+        if self.output_ids is None:
+            return tokens
+        ids = self.output_ids  # (Vo,) ascending
+        rows = torch.searchsorted(ids, tokens).clamp_(max=ids.numel() - 1)
+        unk_row = torch.searchsorted(ids, torch.tensor(unk_id, device=ids.device))
+        return torch.where(ids[rows] == tokens, rows, unk_row)
 
     def features(self, src: torch.Tensor, tgt_in: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's output (B,T,D), the input of the pre-softmax projection; with keep (B,T), its (N,D) rows
@@ -481,7 +517,7 @@ class Transformer(nn.Module):
         """forward() through the textbook path of eq. (1) (explicit_attention), keeping every attention weight."""
         memory, src_mask, enc_weights = self._encode(src, need_weights=True)
         h, weights = self._decode(tgt_in, memory, src_mask, None, need_weights=True)
-        return AttentionResult(self.generator(h), enc_weights, weights["dec_self"], weights["cross"])
+        return AttentionResult(self.logits(h), enc_weights, weights["dec_self"], weights["cross"])
 
     def new_cache(self) -> KVCache:
         """An empty cache for incremental decoding with `decode(new_tokens, memory, src_mask, cache)`."""

@@ -75,10 +75,19 @@ def random_run(folder: Path, tokenizer, seed: int = 3, **model) -> Path:
     a trained model."""
     fields = dict(src_vocab_size=tokenizer.src_vocab_size, tgt_vocab_size=tokenizer.tgt_vocab_size, d_model=32,
                   n_heads=4, n_enc_layers=2, n_dec_layers=2, d_ff=64, dropout=0.0, max_positions=128, **model)
+    torch.manual_seed(seed)
+    output_ids = None
+    if model.get("output_vocab") == "target":  # the references' tokens, eos and unk, and a random half of the rest
+        needed = {dp.EOS_ID, dp.UNK_ID, *(t for ref in REFS for t in tokenizer.encode_tgt(ref))}
+        others = [t for t in range(tokenizer.tgt_vocab_size) if t not in needed]
+        chosen = [others[i] for i in torch.randperm(len(others))[: len(others) // 2].tolist()]
+        output_ids = torch.tensor(sorted(needed.union(chosen)))
+        fields["output_size"] = len(output_ids)
     cfg = config_from_dict({"data": fixture_data(folder / "prepared", tokenizer=tokenizer.kind), "model": fields,
                             "decode": {"beam": 4, "len_penalty": 0.6, "max_len_b": 50}})
-    torch.manual_seed(seed)
     m = Transformer(cfg.model).eval()
+    if output_ids is not None:
+        m.output_ids.copy_(output_ids)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if p.dim() == 1:  # biases and LayerNorm parameters: the mapping of each is checked
@@ -99,6 +108,7 @@ VARIANTS = {
     "gqa pre-norm": dict(attention="gqa", n_kv_heads=2, norm_first=True, tie_output=False),
     "mla both latents": dict(attention="mla", kv_latent_dim=8, q_latent_dim=12, tie_output=False),
     "mla pre-norm": dict(attention="mla", kv_latent_dim=8, norm_first=True, share_embeddings=True),
+    "target output vocabulary": dict(norm_first=True, share_embeddings=True, output_vocab="target"),
 }
 
 

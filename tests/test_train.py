@@ -307,6 +307,18 @@ def test_average_checkpoints(tmp_path):
     assert torch.equal(avg["model"]["w"], torch.full((2,), 3.0)) and avg["step"] == 2
 
 
+def test_average_keeps_integer_buffers(tmp_path):
+    """The output vocabulary's ids (an integer buffer) are kept as they are, and must agree, not be averaged."""
+    for i, (value, ids) in enumerate([(1.0, [1, 3]), (2.0, [1, 3]), (3.0, [1, 4])]):
+        torch.save({"model": {"w": torch.full((2,), value), "output_ids": torch.tensor(ids)}, "config": {}, "step": i},
+                   tmp_path / f"c{i}.pt")
+    avg = average_checkpoints([tmp_path / "c0.pt", tmp_path / "c1.pt"])
+    assert avg["model"]["output_ids"].dtype == torch.int64 and avg["model"]["output_ids"].tolist() == [1, 3]
+    assert torch.equal(avg["model"]["w"], torch.full((2,), 1.5))
+    with pytest.raises(UserError, match="output_ids differs"):
+        average_checkpoints([tmp_path / f"c{i}.pt" for i in range(3)])
+
+
 def test_average_keeps_the_tokenizer_fingerprint(tmp_path):
     """translate.py checks a run's tokenizer/ against the checkpoint's fingerprint: the average must carry it,
     and checkpoints of two tokenizers are not averaged."""
@@ -346,3 +358,86 @@ def test_learns_to_copy(tmp_path):
     refs = (tmp_path / "test.de").read_text().splitlines()
     exact = sum(h.split() == r.split() for h, r in zip(hyps, refs, strict=True)) / len(refs)
     assert exact >= 0.95, exact
+
+
+# -- the target-side output vocabulary (model.output_vocab: target) ---------------------------------------------
+
+
+def target_vocab_model() -> tuple[Transformer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(src_vocab_size=23, tgt_vocab_size=23, d_model=16, n_heads=4, n_enc_layers=1,
+                                    n_dec_layers=1, d_ff=32, dropout=0.0, share_embeddings=True,
+                                    output_vocab="target", output_size=9))
+    ids = torch.tensor([1, 3, 5, 6, 8, 11, 13, 17, 20])  # unk (1) and eos (3) among them, as the trainer makes it
+    model.output_ids.copy_(ids)
+    return model, ids
+
+
+def test_target_output_vocabulary_logits_and_rows():
+    """model() gives the projection onto the output vocabulary at its tokens and -inf at every other; a target
+    token outside it maps to unk's row."""
+    model, ids = target_vocab_model()
+    src, tgt_in = torch.randint(1, 23, (2, 6)), torch.randint(1, 23, (2, 5))
+    logits = model(src, tgt_in)  # (B,T,V)
+    h = model.features(src, tgt_in)  # (B,T,D)
+    torch.testing.assert_close(logits[..., ids], h @ model.generator.weight[ids].t())
+    outside = torch.ones(23, dtype=torch.bool).index_fill_(0, ids, False)
+    assert torch.isneginf(logits[..., outside]).all()
+    rows = model.output_rows(torch.tensor([1, 3, 20, 4, 0, 22]), unk_id=1)
+    assert rows.tolist() == [0, 1, 8, 0, 0, 0]  # 4, 0 and 22 are not in ids: unk's row 0
+    with pytest.raises(ValueError, match="output_size"):
+        Transformer(ModelConfig(src_vocab_size=23, tgt_vocab_size=23, d_model=16, n_heads=4, output_vocab="target"))
+    with pytest.raises(ValueError, match="output_vocab"):
+        ModelConfig(src_vocab_size=23, tgt_vocab_size=23, output_vocab="source").validate()
+
+
+def test_target_output_vocabulary_loss_equals_plain_autograd():
+    """TranslationLoss over the output vocabulary: the loss and gradients of plain label smoothing on the logits of
+    its tokens, the targets as their rows (one outside it counted as unk), in fp32 and under bf16 autocast."""
+    model, ids = target_vocab_model()
+    src, tgt_in = torch.randint(1, 23, (3, 6)), torch.randint(1, 23, (3, 5))
+    tgt_out = ids[torch.randint(0, 9, (3, 5))]
+    tgt_out[1, 2:], tgt_out[0, 0] = 0, 4  # padding, and a token the model cannot emit
+    keep = tgt_out.ne(0)
+    rows = torch.tensor([int((ids == t).nonzero()) if t in ids else 0 for t in tgt_out[keep].tolist()])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        runs = []
+        for fused in (False, True):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                if fused:
+                    loss, nll = TranslationLoss(model, 0.1, pad_id=0, unk_id=1)(src, tgt_in, tgt_out)
+                else:
+                    logits = model.features(src, tgt_in, keep) @ model.generator.weight[ids].t()  # (N,Vo)
+                    loss, nll = label_smoothed_nll(logits, rows, 0.1, pad_id=-1)
+            loss.backward()
+            runs.append((loss.detach(), nll.detach(), [p.grad.clone() for p in model.parameters()]))
+        (loss_a, nll_a, grads_a), (loss_b, nll_b, grads_b) = runs
+        torch.testing.assert_close((loss_b, nll_b), (loss_a, nll_a), rtol=tol, atol=tol)
+        for a, b in zip(grads_a, grads_b, strict=True):
+            torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+        used = torch.cat([ids, src.flatten(), tgt_in.flatten()])  # rows of the tied table this batch touches
+        assert not grads_b[0][torch.ones(23, dtype=torch.bool).index_fill_(0, used, False)].any()
+
+
+def test_target_output_vocabulary_end_to_end(tmp_path):
+    """model.output_vocab=target: the output ids are the training targets' tokens plus eos and unk, saved with the
+    weights; the run evaluates, averages, reports, resumes with the same ids, and translate.py decodes it."""
+    import data_preparation as dp
+
+    run_train(tiny_args(tmp_path, "model.output_vocab=target", "train.max_steps=20"))
+    run = tmp_path / "run"
+    first = read_checkpoint(run / "checkpoint_last.pt")
+    prepared = next(p for p in (tmp_path / "prepared").iterdir() if p.is_dir())
+    targets = set(dp.load_split(prepared, "train").tgt_tokens.tolist()) | {dp.EOS_ID, dp.UNK_ID}
+    assert first["model"]["output_ids"].tolist() == sorted(targets)
+    assert first["config"]["model"]["output_size"] == len(targets) < first["config"]["model"]["tgt_vocab_size"]
+    results = json.loads((run / "results.json").read_text())
+    assert math.isfinite(results["tests"]["val"]["bleu"]) and results["model"] in ("best", "avg2")
+    run_train(tiny_args(tmp_path, "model.output_vocab=target", "train.max_steps=30", "train.resume=true"))
+    resumed = read_checkpoint(run / "checkpoint_last.pt")
+    assert resumed["step"] == 30 and torch.equal(resumed["model"]["output_ids"], first["model"]["output_ids"])
+    assert all(math.isfinite(json.loads(line)["val_loss"]) for line in (run / "metrics.jsonl").read_text().splitlines())
+    out = subprocess.run([sys.executable, "translate.py", "--checkpoint", str(run), "a man is riding a bike ."],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and len(out.stdout.splitlines()) == 1, out.stderr
