@@ -738,7 +738,9 @@ def main(argv: list[str]) -> None:
             trainer = build_trainer(cfg, rank, world, device)
             m = cfg.model
             trainer.log(f"model: {count_parameters(trainer.model) / 1e6:.2f} M parameters, {m.attention}, "
-                        f"{m.n_enc_layers}+{m.n_dec_layers} layers, d_model {m.d_model} | train pairs "
+                        f"{m.n_enc_layers}+{m.n_dec_layers} layers, d_model {m.d_model}"
+                        f"{f', output vocabulary {m.output_size} of {m.tgt_vocab_size}' if m.output_size else ''}"
+                        f" | train pairs "
                         f"{len(trainer.train_split)} | {world} process(es) on {device} | {cfg.train.precision} | "
                         f"run dir {trainer.run_dir}")
             trainer.train()

@@ -7,7 +7,8 @@ build_pieces on a recipe file), the same batches in the same order for every con
                   target tokens, Adam with the recipe's schedule);
 - "ours+compile": the same Trainer with its forward under torch.compile, as train.compile=true makes it;
 - "torch":        torch.nn.Transformer with the same dims (bench_speed.TorchTransformer), logits at every position
-                  and stock F.cross_entropy(label_smoothing), Adam with the same schedule.
+                  and stock F.cross_entropy(label_smoothing), Adam with the same schedule; over the same output
+                  vocabulary as ours when the recipe sets model.output_vocab: target.
 Contenders are interleaved within every repeat, so a busy machine slows them alike; the median is reported.
 MFU = 3 x forward matmul FLOPs on the padded shapes (bench_speed.forward_flops) / time / the measured matmul peak
 of the same precision, which includes the model's own shapes (bench_speed.matmul_peak).
@@ -63,6 +64,7 @@ class TorchTransformer(nn.Module):
                                        cfg.dropout, batch_first=True, norm_first=cfg.norm_first)
         self.generator = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=False)
         self.generator.weight = self.embed.weight  # three-way tying, like share_embeddings=True
+        self.register_buffer("output_ids", None)  # a recipe's output_vocab 'target': ours' ids, set by contenders()
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) * math.sqrt(self.cfg.d_model)  # (B,T,D)
@@ -74,7 +76,9 @@ class TorchTransformer(nn.Module):
         future = torch.ones(t, t, dtype=torch.bool, device=src.device).triu(1)  # (T,T) True = masked
         h = self.core(self.embed_tokens(src), self.embed_tokens(tgt_in), tgt_mask=future,
                       src_key_padding_mask=src_ignore, memory_key_padding_mask=src_ignore, tgt_is_causal=True)
-        return self.generator(h)  # (B,T,V)
+        if self.output_ids is None:
+            return self.generator(h)  # (B,T,V)
+        return F.linear(h, self.generator.weight.index_select(0, self.output_ids))  # (B,T,Vo)
 
 
 def explicit_only(q, k, v, mask, dropout_p):
@@ -98,7 +102,7 @@ def attention_path(naive: bool):
 
 def forward_flops(cfg: tm.ModelConfig, b: int, s: int, t: int, n: int) -> float:
     """Matmul FLOPs of one forward pass: layers on the padded shapes, generator on the n real target tokens."""
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.tgt_vocab_size
+    d, f, v = cfg.d_model, cfg.d_ff, cfg.output_size or cfg.tgt_vocab_size
     enc = 2 * b * s * (4 * d * d + 2 * d * f) + 4 * b * s * s * d
     dec = (2 * b * t * (4 * d * d + 2 * d * f) + 4 * b * t * t * d
            + 2 * b * t * 2 * d * d + 2 * b * s * 2 * d * d + 4 * b * t * s * d)
@@ -134,8 +138,12 @@ class StepTrainer:
         if ours:  # the project's training step: logits of real tokens only, closed-form loss gradient
             loss, _ = label_smoothed_nll(logits, tgt_out[keep], label_smoothing, PAD_ID)
         else:  # stock PyTorch: log_softmax + NLL under autograd
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD_ID,
-                                   label_smoothing=label_smoothing, reduction="sum")
+            target = tgt_out
+            ids = getattr(self.model, "output_ids", None)
+            if ids is not None:  # token ids -> rows of the output vocabulary (it holds every training target)
+                target = torch.searchsorted(ids, tgt_out)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), target.masked_fill(~keep, -100).flatten(),
+                                   ignore_index=-100, label_smoothing=label_smoothing, reduction="sum")
         (loss / ntok).backward()
         self.opt.step()
         return ntok
@@ -237,7 +245,9 @@ def contenders(recipe: str, prepared_dir: str | None, precision: str, device: to
         compiled.forward = torch.compile(compiled.forward)  # the model with its fused loss, as the trainer compiles it
         out.append(Contender("ours+compile", precision, lambda b: compiled.train_step([b]), cfg))
     torch.manual_seed(ours.cfg.train.seed)
-    base = StepTrainer("torch", TorchTransformer(cfg), precision, False, device)
+    torch_model = TorchTransformer(cfg)
+    torch_model.output_ids = ours.model.output_ids  # the same output vocabulary (None: all of it)
+    base = StepTrainer("torch", torch_model, precision, False, device)
     t = ours.cfg.train
     base_lr = lambda step: tt.learning_rate(step, cfg.d_model, t.warmup, t.lr_factor)  # noqa: E731
 

@@ -63,6 +63,21 @@ def test_quick_tiny_run_writes_every_section(tmp_path):
                                                                "cached vs uncached beam search"}
 
 
+def test_real_batches_with_a_target_output_vocabulary(tmp_path):
+    """A recipe with model.output_vocab: target: both contenders train over that output vocabulary (the baseline
+    maps its targets to the same rows), and the FLOPs count its size, not the whole vocabulary's."""
+    import yaml
+
+    recipe = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text("utf-8"))
+    recipe["model"]["output_vocab"] = "target"
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe), "utf-8")
+    r = bench(tmp_path, "--quick", "--no-compile", "--skip-synthetic", "--skip-decoding", "--precisions", "fp32",
+              "--recipe", str(tmp_path / "recipe.yaml"), "--prepared-dir", str(tmp_path / "prepared"))
+    real = r["real_training"]
+    assert 0 < real["model"]["output_size"] < real["model"]["tgt_vocab_size"]
+    assert all(positive(run["tokens_per_s"]) and positive(run["mfu"]) for run in real["runs"].values())
+
+
 def test_profile_of_the_real_step(tmp_path):
     r = bench(tmp_path, "--quick", "--no-compile", "--skip-synthetic", "--skip-decoding", "--precisions", "fp32",
               "--profile", "5", "--prepared-dir", str(tmp_path / "prepared"))
@@ -90,3 +105,23 @@ def test_gpu_script_parses():
 def test_bench_help(tmp_path):
     result = run_script("bench/bench_speed.py", "--help", cwd=tmp_path, env={"NMT_NO_TCMALLOC": "1"})
     assert result.returncode == 0 and "--wmt14-base-steps" in result.stdout
+
+
+def test_torch_baseline_projects_onto_the_output_vocabulary():
+    """nn.Transformer's baseline computes logits over ours' output vocabulary only, rows of its tied table."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from train_real import TorchTransformer
+
+    from transformer_model import ModelConfig
+
+    cfg = ModelConfig(src_vocab_size=23, tgt_vocab_size=23, d_model=16, n_heads=4, n_enc_layers=1, n_dec_layers=1,
+                      d_ff=32, dropout=0.0, output_vocab="target", output_size=5)
+    model = TorchTransformer(cfg).eval()
+    model.output_ids = torch.tensor([1, 3, 5, 7, 9])
+    src, tgt_in = torch.randint(1, 23, (2, 6)), torch.randint(1, 23, (2, 4))
+    logits = model(src, tgt_in)
+    assert logits.shape == (2, 4, 5)
+    model.output_ids = None
+    torch.testing.assert_close(logits, model(src, tgt_in)[..., [1, 3, 5, 7, 9]])

@@ -56,15 +56,17 @@ class StubModel(nn.Module):
 
     tables: {sentence id: {prefix tuple: {token: probability}}}; other prefixes use the table's None entry,
     else `default`.
-    decode returns the log-probabilities themselves as 'hidden states' and the generator is the identity.
+    decode returns the log-probabilities themselves as 'hidden states' and logits() is the identity.
     """
 
     def __init__(self, tables, default=None, vocab=6):
         super().__init__()
         self.tables, self.default, self.vocab = tables, default or {EOS: 0.5, A: 0.3, B: 0.2}, vocab
-        self.generator = nn.Identity()
         self.anchor = nn.Parameter(torch.zeros(1))  # gives the model a device
         self.calls = 0
+
+    def logits(self, h):
+        return h
 
     def encode(self, src):
         return src.float().unsqueeze(-1), src != PAD  # memory (B,S,1) carries the ids, so rows can be traced
