@@ -481,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", help="training on real batches: this config's data, model and batching "
                    "(default configs/multi30k_en_de.yaml; --tiny: configs/tiny.yaml)")
     p.add_argument("--prepared-dir", help="data.prepared_dir for the recipe (reuse an existing prepared folder)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a setting of the recipe, as on train_transformer.py's command line (repeatable), "
+                   "e.g. --set model.output_vocab=target")
     p.add_argument("--real-batches", type=int, help="real batches per timed run (default 20; quick 8; tiny 2)")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile contender")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -512,7 +515,7 @@ def fill_defaults(args) -> None:
     squares = [256] if tiny else [4096, 8192] if args.device.startswith("cuda") else [1024, 2048]
     args.matmul_shapes = [(n, n, n) for n in squares] + ([] if tiny else [(4096, d, f), (4096, f, d), (4096, d, v)])
     if not (tiny or args.skip_real):  # the recipe's own linear shapes too, so its MFU is not over 100%
-        recipe = load_config(args.recipe)
+        recipe = load_config(args.recipe, args.set)
         d, f, v = recipe.model.d_model, recipe.model.d_ff, recipe.data.vocab_size
         args.matmul_shapes += [(4096, d, f), (4096, f, d), (4096, d, v), (4096, d, d)]
     if bad := [p for p in args.precisions if p not in ("fp32", "bf16")]:

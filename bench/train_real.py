@@ -174,14 +174,14 @@ class StepTrainer:
 
 
 def real_setup(recipe: str, prepared_dir: str | None, precision: str, device: torch.device,
-               out_dir: str) -> tt.Trainer:
+               out_dir: str, settings: list[str] | None = None) -> tt.Trainer:
     """A Trainer built by the trainer's own code from a recipe file, with a throw-away run dir. Relative paths in
     the recipe are read from the repository root, as train_transformer.py run from there reads them."""
     overrides = [f"train.out_dir={out_dir}", f"train.precision={precision}", "train.overwrite=true",
                  f"train.device={device}", "train.compile=false"]
     if prepared_dir:
         overrides.append(f"data.prepared_dir={prepared_dir}")
-    cfg = load_config(recipe, overrides)
+    cfg = load_config(recipe, [*(settings or []), *overrides])
     with contextlib.chdir(ROOT):
         return tt.build_pieces(cfg, 0, 1, device)
 
@@ -233,15 +233,17 @@ class Contender:
 
 
 def contenders(recipe: str, prepared_dir: str | None, precision: str, device: torch.device, work: str,
-               n_batches: int, with_compile: bool) -> tuple[list[Contender], list, object]:
-    """(contenders, batches, model config) for one precision; each contender starts from the same seeded weights."""
-    ours = real_setup(recipe, prepared_dir, precision, device, f"{work}/ours_{precision}")
+               n_batches: int, with_compile: bool,
+               settings: list[str] | None = None) -> tuple[list[Contender], list, object]:
+    """(contenders, batches, model config) for one precision; each contender starts from the same seeded weights.
+    settings: section.key=value overrides of the recipe (bench_speed.py --set)."""
+    ours = real_setup(recipe, prepared_dir, precision, device, f"{work}/ours_{precision}", settings)
     batches = take_batches(ours, n_batches)
     cfg = ours.cfg.model
     out = [Contender("ours", precision, lambda b: ours.train_step([b]), cfg)]
     out[0].recipe_steps = ours.cfg.train.max_steps
     if with_compile:
-        compiled = real_setup(recipe, prepared_dir, precision, device, f"{work}/compiled_{precision}")
+        compiled = real_setup(recipe, prepared_dir, precision, device, f"{work}/compiled_{precision}", settings)
         compiled.forward = torch.compile(compiled.forward)  # the model with its fused loss, as the trainer compiles it
         out.append(Contender("ours+compile", precision, lambda b: compiled.train_step([b]), cfg))
     torch.manual_seed(ours.cfg.train.seed)
@@ -261,7 +263,7 @@ def contenders(recipe: str, prepared_dir: str | None, precision: str, device: to
 def bench_precision(args, device: torch.device, precision: str, peak: float, work: str) -> dict:
     """Every contender in one precision on the same real batches, interleaved per repeat."""
     group, batches, cfg = contenders(args.recipe, args.prepared_dir, precision, device, work, args.real_batches,
-                                     not args.no_compile)
+                                     not args.no_compile, args.set)
     pad = cfg.pad_id
 
     def flops_of(b) -> float:
@@ -290,7 +292,8 @@ def bench_real_training(args, device: torch.device, peaks: dict) -> dict:
     """Target tokens/s, TFLOP/s and MFU of each contender in each precision on the trainer's real batches; bf16
     only where the hardware has it (emulated bf16 on an AVX2 CPU is many times slower than fp32: nobody trains so)."""
     precisions = [p for p in args.precisions if p == "fp32" or native_bf16(device)]
-    result = {"recipe": args.recipe, "batches": args.real_batches, "repeats": args.repeats, "runs": {}}
+    result = {"recipe": args.recipe, "settings": args.set, "batches": args.real_batches, "repeats": args.repeats,
+              "runs": {}}
     with tempfile.TemporaryDirectory() as work:
         for precision in precisions:
             one = bench_precision(args, device, precision, peaks[precision], work)
@@ -311,7 +314,7 @@ def bench_real_training(args, device: torch.device, peaks: dict) -> dict:
 def profile_ours(args, device: torch.device, precision: str, work: str, top: int = 12) -> list[dict]:
     """Where the time of the project's step goes: torch.profiler self time per op over the real batches (after
     one warm-up pass), the `top` largest as {op, self_ms, share}; share is of all self time (CPU, or GPU on CUDA)."""
-    ours = real_setup(args.recipe, args.prepared_dir, precision, device, f"{work}/profile_{precision}")
+    ours = real_setup(args.recipe, args.prepared_dir, precision, device, f"{work}/profile_{precision}", args.set)
     batches = take_batches(ours, args.real_batches)
     for b in batches:
         ours.train_step([b])
@@ -331,7 +334,8 @@ def profile_ours(args, device: torch.device, precision: str, work: str, top: int
 def report_lines(tr: dict) -> list[str]:
     """The real-batch training table for bench_speed.report."""
     shape = tr["mean_batch_shape"]
-    lines = ["", f"training on real batches: the first {tr['batches']} batches of {tr['recipe']} (the trainer's "
+    recipe = " ".join([tr["recipe"], *tr.get("settings", [])])
+    lines = ["", f"training on real batches: the first {tr['batches']} batches of {recipe} (the trainer's "
              f"sampler and collate; mean batch {shape[0]:.0f} sentences x {shape[1]:.1f} source x {shape[2]:.1f} "
              f"target tokens, {tr['mean_real_target_fraction']:.0%} real target tokens), median of {tr['repeats']}",
              f"{'config':<20} {'tgt tok/s':>10} {'TFLOP/s':>8} {'MFU':>7} {'warm-up s':>10} "
