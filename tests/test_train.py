@@ -441,3 +441,14 @@ def test_target_output_vocabulary_end_to_end(tmp_path):
     out = subprocess.run([sys.executable, "translate.py", "--checkpoint", str(run), "a man is riding a bike ."],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and len(out.stdout.splitlines()) == 1, out.stderr
+    # fine-tuned on other text (the fixture's test split), the model keeps the output vocabulary it was trained with
+    tuned = tmp_path / "tuned"
+    tune = ["--config", "configs/tiny.yaml", f"train.out_dir={tuned}", f"data.prepared_dir={tmp_path / 'prep2'}",
+            "data.train_prefix=tests/fixtures/test", "data.test_prefixes=[]", "model.output_vocab=target",
+            f"train.init_from={run}",
+            "train.max_steps=4", "train.eval_every=2"]
+    run_train(tune)
+    tuned_ids = read_checkpoint(tuned / "checkpoint_last.pt")["model"]["output_ids"]
+    assert torch.equal(tuned_ids, first["model"]["output_ids"])
+    run_train(["--config", str(tuned / "config.yaml"), "--resume", "train.max_steps=6"])  # ids from its checkpoint
+    assert read_checkpoint(tuned / "checkpoint_last.pt")["step"] == 6
