@@ -137,16 +137,22 @@ def test_translation_loss_equals_the_model_logits_path():
                                     n_dec_layers=1, d_ff=32, dropout=0.0, share_embeddings=True))
     src, tgt_in, tgt_out = (torch.randint(1, 23, (3, n)) for n in (6, 5, 5))
     src[0, 4:], tgt_in[1, 3:], tgt_out[1, 2:] = 0, 0, 0
+    keep = tgt_out.ne(0)
+    assert_fused_equals_plain(
+        model, lambda: TranslationLoss(model, 0.1, pad_id=0)(src, tgt_in, tgt_out),
+        lambda: label_smoothed_nll(model(src, tgt_in, keep=keep), tgt_out[keep], 0.1, pad_id=0))
+
+
+def assert_fused_equals_plain(model, fused, plain) -> list[list[torch.Tensor]]:
+    """fused() and plain() -> (loss, NLL) agree, and so do their parameter gradients (fp32), in fp32 and under bf16
+    autocast; returns fused()'s gradients of each precision."""
+    out = []
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         runs = []
-        for fused in (False, True):
+        for f in (plain, fused):
             model.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                if fused:
-                    loss, nll = TranslationLoss(model, 0.1, pad_id=0)(src, tgt_in, tgt_out)
-                else:
-                    keep = tgt_out.ne(0)
-                    loss, nll = label_smoothed_nll(model(src, tgt_in, keep=keep), tgt_out[keep], 0.1, pad_id=0)
+                loss, nll = f()
             loss.backward()
             runs.append((loss.detach(), nll.detach(), [p.grad.clone() for p in model.parameters()]))
         (loss_a, nll_a, grads_a), (loss_b, nll_b, grads_b) = runs
@@ -154,6 +160,8 @@ def test_translation_loss_equals_the_model_logits_path():
         for a, b in zip(grads_a, grads_b, strict=True):
             assert b.dtype == torch.float32
             torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+        out.append(grads_b)
+    return out
 
 
 def test_translation_loss_under_torch_compile():
@@ -400,24 +408,13 @@ def test_target_output_vocabulary_loss_equals_plain_autograd():
     tgt_out[1, 2:], tgt_out[0, 0] = 0, 4  # padding, and a token the model cannot emit
     keep = tgt_out.ne(0)
     rows = torch.tensor([int((ids == t).nonzero()) if t in ids else 0 for t in tgt_out[keep].tolist()])
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        runs = []
-        for fused in (False, True):
-            model.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                if fused:
-                    loss, nll = TranslationLoss(model, 0.1, pad_id=0, unk_id=1)(src, tgt_in, tgt_out)
-                else:
-                    logits = model.features(src, tgt_in, keep) @ model.generator.weight[ids].t()  # (N,Vo)
-                    loss, nll = label_smoothed_nll(logits, rows, 0.1, pad_id=-1)
-            loss.backward()
-            runs.append((loss.detach(), nll.detach(), [p.grad.clone() for p in model.parameters()]))
-        (loss_a, nll_a, grads_a), (loss_b, nll_b, grads_b) = runs
-        torch.testing.assert_close((loss_b, nll_b), (loss_a, nll_a), rtol=tol, atol=tol)
-        for a, b in zip(grads_a, grads_b, strict=True):
-            torch.testing.assert_close(b, a, rtol=tol, atol=tol)
-        used = torch.cat([ids, src.flatten(), tgt_in.flatten()])  # rows of the tied table this batch touches
-        assert not grads_b[0][torch.ones(23, dtype=torch.bool).index_fill_(0, used, False)].any()
+    grads = assert_fused_equals_plain(
+        model, lambda: TranslationLoss(model, 0.1, pad_id=0, unk_id=1)(src, tgt_in, tgt_out),
+        lambda: label_smoothed_nll(model.features(src, tgt_in, keep) @ model.generator.weight[ids].t(), rows, 0.1,
+                                   pad_id=-1))  # logits (N,Vo) of the output vocabulary
+    used = torch.cat([ids, src.flatten(), tgt_in.flatten()])  # rows of the tied table this batch touches
+    for g in grads:
+        assert not g[0][torch.ones(23, dtype=torch.bool).index_fill_(0, used, False)].any()
 
 
 def test_target_output_vocabulary_end_to_end(tmp_path):
