@@ -155,9 +155,10 @@ def projected_label_smoothed_nll(hidden: torch.Tensor, weight: torch.Tensor, tar
 class TranslationLoss(nn.Module):
     """The training objective as one module, so that DDP and torch.compile wrap the model and its loss together
     (as fairseq's criterion(model, sample)): (src, tgt_in, tgt_out) -> (smoothed loss sum, NLL sum) over the real
-    target tokens; the model's logits are never formed, its output projection is fused into the loss."""
+    target tokens; the model's logits are never formed, its output projection is fused into the loss. unk_id: the
+    token a target outside the model's output vocabulary counts as (model.output_vocab 'target')."""
 
-    def __init__(self, model: nn.Module, epsilon: float, pad_id: int, unk_id: int = 1):
+    def __init__(self, model: nn.Module, epsilon: float, pad_id: int, unk_id: int):
         super().__init__()
         self.model, self.epsilon, self.pad_id, self.unk_id = model, epsilon, pad_id, unk_id
 

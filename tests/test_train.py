@@ -139,7 +139,7 @@ def test_translation_loss_equals_the_model_logits_path():
     src[0, 4:], tgt_in[1, 3:], tgt_out[1, 2:] = 0, 0, 0
     keep = tgt_out.ne(0)
     assert_fused_equals_plain(
-        model, lambda: TranslationLoss(model, 0.1, pad_id=0)(src, tgt_in, tgt_out),
+        model, lambda: TranslationLoss(model, 0.1, pad_id=0, unk_id=1)(src, tgt_in, tgt_out),
         lambda: label_smoothed_nll(model(src, tgt_in, keep=keep), tgt_out[keep], 0.1, pad_id=0))
 
 
@@ -172,7 +172,7 @@ def test_translation_loss_under_torch_compile():
     torch._dynamo.reset()
     model = Transformer(ModelConfig(src_vocab_size=23, tgt_vocab_size=23, d_model=16, n_heads=4, n_enc_layers=1,
                                     n_dec_layers=1, d_ff=32, dropout=0.0, share_embeddings=True))
-    objective = TranslationLoss(model, 0.1, pad_id=0)
+    objective = TranslationLoss(model, 0.1, pad_id=0, unk_id=1)
     compiled = torch.compile(objective)
     for n in (5, 7, ROWS_PER_PASS + 3):  # a third shape: dynamic shapes, not one graph per batch
         src, tgt_in, tgt_out = (torch.randint(1, 23, (3, n)) for _ in range(3))
