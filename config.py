@@ -71,6 +71,7 @@ class TrainConfig:
     adam_eps: float = 1e-9
     weight_decay: float = 0.0
     label_smoothing: float = 0.1
+    rdrop_alpha: float = 0.0  # > 0: R-Drop (Liang et al. 2021), each batch twice + alpha * symmetric KL; 2x compute
     clip_norm: float = 0.0  # 0 = no gradient clipping
     precision: str = "auto"  # auto | fp32 | bf16 | fp16; auto = bf16 where the hardware has it natively, else fp32
     compile: bool = False
@@ -305,6 +306,7 @@ def validate(cfg: Config) -> Config:
         (re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device) is not None,
          f"train.device '{t.device}' is unknown; use auto, cpu, cuda or cuda:N"),
         (0.0 <= t.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)"),
+        (t.rdrop_alpha >= 0.0, "train.rdrop_alpha must be >= 0"),
         (t.clip_norm >= 0, "train.clip_norm must be >= 0"),
         (t.precision in ("auto", "fp32", "bf16", "fp16"),
          f"train.precision '{t.precision}' is unknown (auto|fp32|bf16|fp16)"),

@@ -102,9 +102,64 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
             if probs is None:  # a second backward through a retained graph: the softmax is the gradient by now
                 probs = _projected_softmax(hidden, weight, target, ctx.epsilon)[2]
             grad = _logits_grad(probs, target, grad_loss, grad_nll, ctx.epsilon, ctx.dtype)  # (N,V)
-            grad_hidden = grad @ weight  # (N,V) @ (V,D) -> (N,D)
-            grad_weight = (hidden.t() @ grad).t()  # ((D,N) @ (N,V))^T -> (V,D)
+            grad_hidden, grad_weight = _project_back(grad, hidden, weight)
         return grad_hidden, grad_weight, None, None
+
+
+class _ProjectedRDropLoss(torch.autograd.Function):
+    """R-Drop (Liang et al. 2021, eq. 3): the fused loss above on hidden (2N,D), the N real target tokens of a batch
+    run twice under two dropout masks, plus per token pair the symmetric KL divergence of the two output
+    distributions P1, P2, KL_sym = (KL(P1||P2) + KL(P2||P1)) / 2 = sum_v (p1 - p2)(log p1 - log p2) / 2.
+
+    Its gradient in closed form, with d = log p1 - log p2 and <p,d> = sum_v p_v d_v:
+    d KL_sym / d z1 = (p1 (d - <p1,d>) + p1 - p2) / 2 and d KL_sym / d z2 = (p2 (<p2,d> - d) + p2 - p1) / 2,
+    added to the cross-entropy's in the one (2N,V) gradient buffer; d (N,V) is the only extra buffer."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, epsilon: float):
+        device = hidden.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        both = torch.cat([target, target])  # (2N,)
+        loss, nll, ctx.probs, ctx.dtype, (ctx.d, p1_d, p2_d) = _rdrop_softmax(hidden, weight, both, epsilon)
+        ctx.save_for_backward(hidden, weight, both, p1_d, p2_d)  # probs and d are not: backward consumes them
+        ctx.epsilon = epsilon
+        return loss, nll, (p1_d - p2_d) / 2
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll, grad_kl):
+        hidden, weight, both, p1_d, p2_d = ctx.saved_tensors
+        device, dtype, enabled = ctx.autocast
+        probs, d, ctx.probs, ctx.d = ctx.probs, ctx.d, None, None
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            if probs is None:  # a second backward through a retained graph: they are gradients by now
+                _, _, probs, _, (d, _, _) = _rdrop_softmax(hidden, weight, both, ctx.epsilon)
+            p1, p2 = probs.chunk(2)
+            half = (grad_kl / 2).unsqueeze(-1) if grad_kl is not None else torch.zeros_like(p1_d).unsqueeze(-1)
+            grad_z2 = (p2_d.unsqueeze(-1) - d).mul_(p2).add_(p2).sub_(p1).mul_(half)  # (N,V)
+            grad_z1 = d.sub_(p1_d.unsqueeze(-1)).mul_(p1).add_(p1).sub_(p2).mul_(half)  # (N,V), in d's memory
+            grad = _logits_grad(probs, both, grad_loss, grad_nll, ctx.epsilon, ctx.dtype)  # (2N,V)
+            g1, g2 = grad.chunk(2)
+            g1.add_(grad_z1.to(grad.dtype))
+            g2.add_(grad_z2.to(grad.dtype))
+            grad_hidden, grad_weight = _project_back(grad, hidden, weight)
+        return grad_hidden, grad_weight, None, None
+
+
+def _rdrop_softmax(hidden: torch.Tensor, weight: torch.Tensor, both: torch.Tensor, epsilon: float) -> tuple:
+    """_projected_softmax of the 2N rows, and (d (N,V), <p1,d> (N,), <p2,d> (N,)) of the N pairs."""
+    loss, nll, probs, dtype = _projected_softmax(hidden, weight, both, epsilon)
+    p1, p2 = probs.chunk(2)  # (N,V) each
+    tiny = torch.finfo(probs.dtype).tiny  # a probability that underflowed to 0 adds 0 * finite, not 0 * inf
+    d = p1.clamp_min(tiny).log_().sub_(p2.clamp_min(tiny).log_())  # (N,V)
+    return loss, nll, probs, dtype, (d, (p1 * d).sum(-1), (p2 * d).sum(-1))  # KL(P1||P2), -KL(P2||P1)
+
+
+def _project_back(grad: torch.Tensor, hidden: torch.Tensor,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of hidden (N,D) and weight (V,D) from that of logits = hidden W^T (N,V)."""
+    grad_hidden = grad @ weight  # (N,V) @ (V,D) -> (N,D)
+    grad_weight = (hidden.t() @ grad).t()  # ((D,N) @ (N,V))^T -> (V,D)
+    return grad_hidden, grad_weight
 
 
 def _projected_softmax(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -152,19 +207,35 @@ def projected_label_smoothed_nll(hidden: torch.Tensor, weight: torch.Tensor, tar
     return loss.sum(), nll.sum()
 
 
+@torch.compiler.disable  # as projected_label_smoothed_nll
+def projected_rdrop_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, epsilon: float,
+                         alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """R-Drop's loss for hidden (2N,D), the N real target tokens under two dropout masks (rows i and N+i are the
+    same token), target (N,), weight (V,D): (sum of the smoothed loss over the 2N rows + alpha * sum of KL_sym
+    over the N pairs) / 2, and the NLL sum / 2, so that both stay per-token sums over N, what the trainer divides
+    by (fairseq's R-Drop criterion: the same objective, divided by 2N)."""
+    loss, nll, kl = _ProjectedRDropLoss.apply(hidden, weight, target, epsilon)  # (2N,), (2N,), (N,)
+    return (loss.sum() + alpha * kl.sum()) / 2, nll.sum() / 2
+
+
 class TranslationLoss(nn.Module):
     """The training objective as one module, so that DDP and torch.compile wrap the model and its loss together
     (as fairseq's criterion(model, sample)): (src, tgt_in, tgt_out) -> (smoothed loss sum, NLL sum) over the real
     target tokens; the model's logits are never formed, its output projection is fused into the loss. unk_id: the
-    token a target outside the model's output vocabulary counts as (model.output_vocab 'target')."""
+    token a target outside the model's output vocabulary counts as (model.output_vocab 'target'); rdrop_alpha > 0:
+    R-Drop in training mode (projected_rdrop_loss), the plain loss in eval mode."""
 
-    def __init__(self, model: nn.Module, epsilon: float, pad_id: int, unk_id: int):
+    def __init__(self, model: nn.Module, epsilon: float, pad_id: int, unk_id: int, rdrop_alpha: float = 0.0):
         super().__init__()
         self.model, self.epsilon, self.pad_id, self.unk_id = model, epsilon, pad_id, unk_id
+        self.rdrop_alpha = rdrop_alpha
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor,
                 tgt_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keep = tgt_out.ne(self.pad_id)  # (B,T) real target tokens
-        hidden = self.model.features(src, tgt_in, keep)  # (N,D)
         target = self.model.output_rows(tgt_out[keep], self.unk_id)  # (N,) rows of the output vocabulary
+        if self.rdrop_alpha > 0 and self.model.training:  # the batch twice, as one (2B,...) batch: two dropout masks
+            hidden = self.model.features(src.repeat(2, 1), tgt_in.repeat(2, 1), keep.repeat(2, 1))  # (2N,D)
+            return projected_rdrop_loss(hidden, self.model.output_weight(), target, self.epsilon, self.rdrop_alpha)
+        hidden = self.model.features(src, tgt_in, keep)  # (N,D)
         return projected_label_smoothed_nll(hidden, self.model.output_weight(), target, self.epsilon)

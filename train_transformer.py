@@ -585,7 +585,8 @@ def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Tr
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay)
     stream = dp.BatchStream(train, sampler, data["tokenizer"].pad_id, t.pad_multiple, t.max_epochs)
-    objective = TranslationLoss(model, t.label_smoothing, data["tokenizer"].pad_id, data["tokenizer"].unk_id)
+    objective = TranslationLoss(model, t.label_smoothing, data["tokenizer"].pad_id, data["tokenizer"].unk_id,
+                                t.rdrop_alpha)
     trainer = Trainer(cfg, model, objective, optimizer, stream, data, rank, world, device)
     if init is not None:
         trainer.log(f"fine-tuning: weights and tokenizer from {init['file']}; new optimizer and lr schedule")
