@@ -113,7 +113,9 @@ def check_run_dir(cfg: Config, run_dir: Path) -> bool:
             raise UserError(f"train.resume=true but {last} does not exist: there is no run to resume in "
                             f"{run_dir}; start without train.resume")
         old = load_config_dict(run_dir / "config.yaml")
-        if old is not None and old.get("model") != config_to_dict(cfg)["model"]:
+        model = config_to_dict(cfg)["model"]
+        defaults = config_to_dict(Config())["model"]  # a run saved before a field existed had its default
+        if old is not None and {**defaults, **(old.get("model") or {})} != model:
             raise UserError(f"{run_dir} holds a run with another model config; resume it with its own config.yaml")
         return True
     if has_run(run_dir) and not t.overwrite:

@@ -369,6 +369,19 @@ def test_bad_run_dir(case, message, trained, run_copy, tmp_path, capsys, monkeyp
     assert snapshot(tmp_path) == before
 
 
+def test_resume_a_run_saved_before_a_model_field_existed(trained, run_copy, capsys, monkeypatch):
+    """A run whose config.yaml predates a model field (here output_vocab and output_size, added later) resumes:
+    the field's default is what the older code did; a field that differs is still refused (resume_other_model)."""
+    saved = yaml.safe_load((run_copy / "config.yaml").read_text(encoding="utf-8"))
+    del saved["model"]["output_vocab"], saved["model"]["output_size"]
+    (run_copy / "config.yaml").write_text(yaml.safe_dump(saved), encoding="utf-8")
+    args = ["--config", "configs/tiny.yaml", f"train.out_dir={run_copy}", f"data.prepared_dir={trained[1]}",
+            *RUN_OVERRIDES, f"train.max_steps={MAX_STEPS + 5}", "--resume"]
+    status, out, err = run_main(tt.main, args, capsys, monkeypatch)
+    assert status == 0, err[-2000:]
+    assert checkpoint.read_checkpoint(run_copy / "checkpoint_last.pt")["step"] == MAX_STEPS + 5
+
+
 def test_run_dir_from_the_command_line(trained, run_copy):
     before = snapshot(run_copy)
     status, out, err = script("train_transformer.py", *train_args(run_copy, trained[1]))
