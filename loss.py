@@ -113,7 +113,8 @@ class _ProjectedRDropLoss(torch.autograd.Function):
 
     Its gradient in closed form, with d = log p1 - log p2 and <p,d> = sum_v p_v d_v:
     d KL_sym / d z1 = (p1 (d - <p1,d>) + p1 - p2) / 2 and d KL_sym / d z2 = (p2 (<p2,d> - d) + p2 - p1) / 2,
-    added to the cross-entropy's in the one (2N,V) gradient buffer; d (N,V) is the only extra buffer."""
+    added to the cross-entropy's in the one (2N,V) gradient buffer; the extra memory is d (N,V), kept from the
+    forward, and one (N,V) buffer in the backward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, epsilon: float):
