@@ -122,6 +122,7 @@ BAD_CONFIGS = [  # (overrides or a config file's text, expected words of the mes
     (["train.lr_factor=.inf"], "train.lr_factor"),
     (["train.lr_factor=-1"], "train.lr_factor must be > 0"),
     (["train.label_smoothing=1.0"], "train.label_smoothing"),
+    (["train.rdrop_alpha=-1"], "train.rdrop_alpha"),
     (["train.weight_decay=-0.1"], "train.weight_decay"),
     (["train.adam_beta2=1.5"], "train.adam_beta"),
     (["train.device=tpu"], "train.device"),

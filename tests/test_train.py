@@ -222,6 +222,16 @@ def test_translation_loss_rdrop_runs_the_batch_twice():
     torch.testing.assert_close(rdrop(src, tgt_in, tgt_out), plain(src, tgt_in, tgt_out))
 
 
+def test_rdrop_end_to_end(tmp_path):
+    """train.rdrop_alpha through the script: the run trains, its logged training NLL stays per target token (the
+    trainer divides R-Drop's halved sums by the batch's tokens, not twice them), and it evaluates and reports."""
+    run_train(tiny_args(tmp_path, "train.rdrop_alpha=5", "train.max_steps=20", "train.eval_every=10"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    vocab = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["tgt_vocab_size"]
+    assert rows[-1]["step"] == 20 and 0 < rows[0]["train_loss"] < 1.5 * math.log(vocab)
+    assert math.isfinite(json.loads((tmp_path / "run" / "results.json").read_text())["tests"]["val"]["bleu"])
+
+
 def test_translation_loss_under_torch_compile():
     """train.compile wraps TranslationLoss: compiled, it gives eager's loss and gradients on batches of different
     target-token counts, and the fused loss stays out of the graph (torch.compiler.disable): traced, its loop over
