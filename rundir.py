@@ -192,3 +192,9 @@ class MetricsLog:
         if self._tb:
             for key in self.SCALARS:
                 self._tb.add_scalar(key, record[key], record["step"])
+
+    def close(self) -> None:
+        """Flush TensorBoard's event file: a torchrun process ends with os._exit, which runs no finalizer."""
+        if self._tb:
+            self._tb.close()
+        self._tb = None

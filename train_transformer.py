@@ -25,7 +25,9 @@ import random
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -763,6 +765,7 @@ def main(argv: list[str]) -> None:
     finally:
         if trainer is not None:
             trainer.signals.uninstall()
+            trainer.metrics.close()
 
 
 def lost_contact(error: RuntimeError) -> bool:
@@ -781,5 +784,32 @@ def leave_group(world: int) -> None:
         dist.destroy_process_group()
 
 
+def run_rank() -> NoReturn:
+    """One torchrun process from start to end, which then leaves with os._exit: no interpreter finalization.
+
+    Why: building DistributedDataParallel leaves a C++ reference to the gloo process group (measured: its
+    gloo_tcp_loop and pt_gloo_runloop threads outlive destroy_process_group, DDP object and model freed), and a
+    worker thread that drops its last work while the interpreter finalizes needs the GIL, is unwound and aborts
+    the process ("terminate called without an active exception", SIGABRT; pytorch PR 179291). It hit a rank
+    that had finished cleanly, and torchrun then killed rank 0 in its final report. Nothing is left to finalize:
+    checkpoints and reports are written atomically, the metrics log is closed, and the two streams are flushed."""
+    code = 1
+    try:
+        cli_main(main)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        run_rank()
     cli_main(main)

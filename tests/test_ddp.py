@@ -23,23 +23,50 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("torchrun") is N
                                                    reason="needs torch.distributed.run")]
 
 
-def torchrun(run: Path, prepared: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(run: Path, prepared: Path, *extra: str, timeout: float = 300, env: dict | None = None
+             ) -> subprocess.CompletedProcess:
     return subprocess.run([*TORCHRUN, "train_transformer.py", "--config", "configs/tiny.yaml", f"train.out_dir={run}",
                            f"data.prepared_dir={prepared}", "decode.max_len_a=0", "decode.max_len_b=6", *extra],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def finalization_probe(folder: Path) -> dict:
+    """An environment whose Python processes write folder/finalized.RANK when the interpreter finalizes (an
+    atexit hook from sitecustomize): a training rank must never get there (train_transformer.run_rank)."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import atexit, os\n"
+        "if 'RANK' in os.environ:\n"
+        f"    atexit.register(lambda: open(os.path.join({str(folder)!r}, 'finalized.' + os.environ['RANK']), 'w'))\n")
+    return {**ENV, "PYTHONPATH": os.pathsep.join([str(folder), ENV.get("PYTHONPATH", "")])}
 
 
 def test_two_processes_finish_cleanly_five_times_in_a_row(tmp_path):
     """The final report runs on rank 0 after every rank left the process group: exit 0, no traceback, one
-    results.json (before, 2 of 4 runs ended with rank 1 aborting and torchrun exiting 1)."""
+    results.json (before, 2 of 4 runs ended with rank 1 aborting and torchrun exiting 1). No rank finalizes the
+    interpreter, where gloo's leftover threads once made a finished rank abort in CI."""
+    env = finalization_probe(tmp_path / "probe")
     for i in range(5):
         run = tmp_path / f"run{i}"
-        proc = torchrun(run, tmp_path / "prepared")
+        proc = torchrun(run, tmp_path / "prepared", env=env)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-3000:]
         assert "Traceback" not in out and "terminate called" not in out and "SIGTERM" not in out, out[-3000:]
         assert out.count("results: ") == 1 and (run / "results.json").is_file()
         assert "2 process(es)" in out
+    assert not list((tmp_path / "probe").glob("finalized.*"))
+
+
+def test_a_rank_ends_with_its_output_and_exit_status():
+    """run_rank leaves with os._exit: what the rank printed to a pipe (block-buffered) still arrives, and the
+    exit status is the one cli_main chose (argparse's 0 for --help, 2 for a user error)."""
+    env = {key: value for key, value in ENV.items() if key != "PYTHONUNBUFFERED"} | {"WORLD_SIZE": "2", "RANK": "0"}
+    help_ = subprocess.run([sys.executable, "train_transformer.py", "--help"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert help_.returncode == 0 and "usage: train_transformer.py" in help_.stdout, help_.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "train_transformer.py", "--config", "no/such.yaml"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no/such.yaml" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_bad_override_fails_once_with_one_line(tmp_path):
@@ -105,11 +132,13 @@ def test_killed_rank_ends_the_job_with_one_line(tmp_path):
 
 def test_sigterm_stops_every_rank_at_the_same_step_and_resumes(tmp_path):
     """SIGTERM to torchrun (what a scheduler sends): the ranks agree on the step, rank 0 saves it, every rank
-    leaves together; a torchrun --resume then continues from that step and ends cleanly."""
+    leaves together; a torchrun --resume then continues from that step and ends cleanly. Neither run's ranks
+    finalize the interpreter (the resumed run's rank 1 once aborted there, in CI)."""
     run, prepared = tmp_path / "run", tmp_path / "prepared"
+    env = finalization_probe(tmp_path / "probe")
     cmd = [*TORCHRUN, "train_transformer.py", "--config", "configs/tiny.yaml", f"train.out_dir={run}",
            f"data.prepared_dir={prepared}", "train.max_steps=100000", "train.eval_every=20"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         while not (run / "checkpoint_last.pt").exists():
@@ -124,6 +153,7 @@ def test_sigterm_stops_every_rank_at_the_same_step_and_resumes(tmp_path):
     saved = re.findall(r"saved checkpoint_last.pt at step (\d+)", err)
     assert len(saved) == 1, err[-3000:]
     step = int(saved[0])
-    proc = torchrun(run, prepared, "--resume", f"train.max_steps={step + 10}")
+    proc = torchrun(run, prepared, "--resume", f"train.max_steps={step + 10}", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from step {step} " in proc.stderr and (run / "results.json").is_file()
+    assert not list((tmp_path / "probe").glob("finalized.*"))
