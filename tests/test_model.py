@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import transformer_model as tm
 from transformer_model import (
     Attention,
     Dropout,
@@ -177,6 +178,33 @@ def test_fast_path_equals_explicit_path_model(variant, norm_first):
     assert [w.shape for w in result.cross] == [(2, 4, 5, 6)] * 2
     assert (result.cross[0][1, :, :, 3:] == 0).all()  # padded source keys get no attention
     assert (result.dec_self[0].triu(diagonal=1) == 0).all()  # no attention to the future
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("mask_kind", ["padding", "causal"])
+def test_short_attention_equals_the_fused_kernel(dtype, kv_heads, mask_kind):
+    """fast_attention takes short_attention up to SHORT_KEYS keys on a CPU and the fused kernel beyond: on the
+    same inputs both give the same output and gradients, a query that sees no key included (output 0)."""
+    n, t = tm.SHORT_KEYS + 6, 9
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 4, t, 8, generator=g, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(3, kv_heads, n, 8, generator=g, dtype=dtype, requires_grad=True) for _ in range(2))
+    if mask_kind == "padding":
+        mask = (torch.arange(n)[None, :] < torch.tensor([n, 5, 0])[:, None])[:, None, None, :]  # row 3: no key
+    else:
+        mask = torch.ones(t, n, dtype=torch.bool).tril(diagonal=n - t)
+    outs, grads = [], []
+    for attend in (tm.fast_attention, tm.short_attention):
+        out = attend(q, k, v, mask, 0.0)
+        assert out.dtype == dtype
+        outs.append(out.float())
+        grads.append(torch.autograd.grad(out.float().square().sum(), (q, k, v)))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(outs[0], outs[1], atol=tol, rtol=tol)
+    assert all(torch.allclose(a.float(), b.float(), atol=tol * 10, rtol=tol) for a, b in zip(*grads, strict=True))
+    if mask_kind == "padding":
+        assert (outs[1][2] == 0).all() and (grads[1][0][2] == 0).all()
 
 
 def test_matches_torch_multihead_attention():
