@@ -144,17 +144,18 @@ class PositionalEncoding(nn.Module):
 # ---------------------------------------------------------------- scaled dot-product attention, two paths
 
 
-SHORT_KEYS = 64  # on a CPU, attention over at most this many keys runs as plain matmuls (short_attention)
+SHORT_KEYS = 64  # on a CPU, attention over at most this many keys runs as plain matmuls (explicit_attention)
 
 
 def fast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    dropout_p: float) -> torch.Tensor:
-    """Eq. (1) softmax(QK^T / sqrt(d_k)) V by the fused kernel; q (B,H,T,Dh), k/v (B,K,N,Dh) -> (B,H,T,Dh)."""
+    """Eq. (1) softmax(QK^T / sqrt(d_k)) V without the weights: by the fused kernel, or on a CPU with at most
+    SHORT_KEYS keys by explicit_attention; q (B,H,T,Dh), k/v (B,K,N,Dh) -> (B,H,T,Dh)."""
     if q.device.type == "cpu" and k.size(-2) <= SHORT_KEYS:
         # The fused CPU kernel blocks over keys; with ~20 of them there is nothing to block and its forward +
         # backward took 2-3x as long as matmul, softmax, matmul (d_head 32, fp32 and bf16, 2-core Zen 4); from
         # ~128 keys the kernel wins.
-        return short_attention(q, k, v, mask, dropout_p)
+        return explicit_attention(q, k, v, mask, dropout_p)[0]
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         # The CPU's bf16 fused kernel ran 3x slower than its fp32 one at this model's sizes (d_head 32, ~20
         # tokens; forward+backward, bench/train_real.py profile): attention scores are a small share of the
@@ -173,39 +174,26 @@ def fast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return out if dead is None else out.masked_fill(dead, 0.0)
 
 
-def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    dropout_p: float) -> torch.Tensor:
-    """Eq. (1) as matmul, softmax, matmul with the scores and softmax in fp32 (as fused kernels keep them) and
-    P·V in the inputs' dtype; q (B,H,T,Dh), k/v (B,K,N,Dh) -> (B,H,T,Dh)."""
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. (1) as textbooks write it (matmul, scale, mask, softmax, dropout, matmul); also returns the weights.
+
+    Scores and softmax in fp32 (as fused kernels keep them), P·V in the inputs' dtype; fast_attention's path for
+    short sequences on a CPU. q (B,H,T,Dh), k/v (B,K,N,Dh) -> (B,H,T,Dh) and weights (B,H,T,N) in fp32."""
     if k.size(1) not in (1, q.size(1)):  # GQA: each group of query heads reads its key/value head
         group = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     with torch.autocast(q.device.type, enabled=False):  # else autocast would run the scores' matmul in bf16
         scores = (q.float() * q.size(-1) ** -0.5) @ k.float().transpose(-2, -1)  # (B,H,T,N), MQA broadcasts K=1
-        dead = None
         if mask is not None:
             # A finite fill (not -inf): a query that sees no key softmaxes to uniform, not NaN; zeroed below.
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-            dead = ~mask.any(dim=-1, keepdim=True)  # (..,T,1)
-        weights = F.dropout(scores.softmax(dim=-1), dropout_p).to(v.dtype)
-        out = weights @ v  # (B,H,T,N) @ (B,H,N,Dh) -> (B,H,T,Dh)
-    return out if dead is None or not dead.any() else out.masked_fill(dead, 0.0)
-
-
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                       dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. (1) as textbooks write it (matmul, scale, mask, softmax, dropout, matmul); also returns weights."""
-    group = q.size(1) // k.size(1)  # query heads per key/value head (1 for MHA, H for MQA)
-    k = k.repeat_interleave(group, dim=1)  # (B,K,N,Dh) -> (B,H,N,Dh)
-    v = v.repeat_interleave(group, dim=1)  # (B,K,N,Dh) -> (B,H,N,Dh)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B,H,T,Dh) @ (B,H,Dh,N) -> (B,H,T,N)
-    if mask is not None:
-        # A finite fill (not -inf): a row with every key masked softmaxes to uniform, not NaN; zeroed below.
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    weights = scores.softmax(dim=-1)  # (B,H,T,N)
-    if mask is not None:
-        weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # a query seeing nothing gets 0
-    out = F.dropout(weights, dropout_p) @ v  # (B,H,T,N) @ (B,H,N,Dh) -> (B,H,T,Dh)
+        weights = scores.softmax(dim=-1)
+        if mask is not None:
+            dead = ~mask.any(dim=-1, keepdim=True)  # (..,T,1) queries that see no key get weights 0
+            if q.device.type != "cpu" or dead.any():  # on a CPU the usual case skips the op; a GPU would sync
+                weights = weights.masked_fill(dead, 0.0)
+        out = F.dropout(weights, dropout_p).to(v.dtype) @ v  # (B,H,T,N) @ (B,H,N,Dh) -> (B,H,T,Dh)
     return out, weights
 
 

@@ -183,8 +183,8 @@ def test_fast_path_equals_explicit_path_model(variant, norm_first):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("mask_kind", ["padding", "causal"])
-def test_short_attention_equals_the_fused_kernel(dtype, kv_heads, mask_kind):
-    """fast_attention takes short_attention up to SHORT_KEYS keys on a CPU and the fused kernel beyond: on the
+def test_explicit_attention_equals_the_fused_kernel(dtype, kv_heads, mask_kind):
+    """fast_attention takes explicit_attention up to SHORT_KEYS keys on a CPU and the fused kernel beyond: on the
     same inputs both give the same output and gradients, a query that sees no key included (output 0)."""
     n, t = tm.SHORT_KEYS + 6, 9
     g = torch.Generator().manual_seed(5)
@@ -195,7 +195,7 @@ def test_short_attention_equals_the_fused_kernel(dtype, kv_heads, mask_kind):
     else:
         mask = torch.ones(t, n, dtype=torch.bool).tril(diagonal=n - t)
     outs, grads = [], []
-    for attend in (tm.fast_attention, tm.short_attention):
+    for attend in (tm.fast_attention, lambda *args: tm.explicit_attention(*args)[0]):
         out = attend(q, k, v, mask, 0.0)
         assert out.dtype == dtype
         outs.append(out.float())
