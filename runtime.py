@@ -14,6 +14,7 @@ import os
 import re
 import stat
 import sys
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,6 +40,9 @@ def one_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+QUIET_RANK_WAIT_S = 60  # how long a quiet rank waits for rank 0 to report the error and torchrun to stop it
+
+
 def cli_main(main: Callable[[list[str]], object], argv: list[str] | None = None) -> object:
     """Run ``main(argv)``; a UserError becomes ``error: ...`` on stderr and exit status 2 (under torchrun a rank
     other than 0 says ``error (rank N): ...``, or nothing when rank 0 reports the same error).
@@ -52,8 +56,11 @@ def cli_main(main: Callable[[list[str]], object], argv: list[str] | None = None)
     except UserError as e:
         if debug:
             traceback.print_exc()
-        if not e.quiet:
-            print(f"error{f' (rank {rank})' * (rank > 0)}: {e}", file=sys.stderr)
+        if e.quiet:
+            # Rank 0 says it and exits; torchrun then stops this process. Leaving first let torchrun stop rank 0
+            # before it could say it (seen in CI) and name this silent rank as the failure's cause.
+            time.sleep(QUIET_RANK_WAIT_S)
+        print(f"error{f' (rank {rank})' * (rank > 0)}: {e}", file=sys.stderr)  # quiet: rank 0 did not end the job
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

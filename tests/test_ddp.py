@@ -69,12 +69,27 @@ def test_a_rank_ends_with_its_output_and_exit_status():
     assert bad.returncode == 2 and "no/such.yaml" in bad.stderr, bad.stderr[-2000:]
 
 
+def slow_rank0(folder: Path) -> dict:
+    """An environment whose rank 0 starts 3 s after the other ranks (a sleep in sitecustomize)."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text("import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n")
+    return {**ENV, "PYTHONPATH": os.pathsep.join([str(folder), ENV.get("PYTHONPATH", "")])}
+
+
+def root_cause_rank(torchrun_stderr: str) -> int:
+    """The rank that torchrun's failure report names as the root cause."""
+    return int(re.search(r"Root Cause.*?rank\s*:\s*(\d+)", torchrun_stderr, re.S).group(1))
+
+
 def test_bad_override_fails_once_with_one_line(tmp_path):
-    proc = torchrun(tmp_path / "run", tmp_path / "prepared", "train.warmup=0")
+    """Every rank finds the bad value, rank 0 says it even when it is the slowest to start (in CI rank 1 once left
+    first, torchrun stopped rank 0 before it said anything and named the silent rank 1 as the cause)."""
+    proc = torchrun(tmp_path / "run", tmp_path / "prepared", "train.warmup=0", env=slow_rank0(tmp_path / "slow"))
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert errors == ["error: train.warmup must be >= 1 (the schedule of eq. 3 divides by it)"], proc.stderr[-3000:]
     assert not OUR_TRACEBACK.search(proc.stderr), proc.stderr[-3000:]
+    assert root_cause_rank(proc.stderr) == 0, proc.stderr[-3000:]
 
 
 def test_setup_error_on_every_rank_is_reported_once(tmp_path):
@@ -87,6 +102,7 @@ def test_setup_error_on_every_rank_is_reported_once(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and "already holds a run" in errors[0], proc.stderr[-3000:]
     assert not OUR_TRACEBACK.search(proc.stderr), proc.stderr[-3000:]
+    assert root_cause_rank(proc.stderr) == 0, proc.stderr[-3000:]
 
 
 def rank_pid(run: Path, local_rank: int) -> int | None:
