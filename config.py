@@ -72,6 +72,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     label_smoothing: float = 0.1
     rdrop_alpha: float = 0.0  # > 0: R-Drop (Liang et al. 2021), each batch twice + alpha * symmetric KL; 2x compute
+    bpe_dropout: float = 0.0  # > 0: BPE-dropout (Provilkov et al. 2020), training pairs re-cut each epoch (bpe only)
     clip_norm: float = 0.0  # 0 = no gradient clipping
     precision: str = "auto"  # auto | fp32 | bf16 | fp16; auto = bf16 where the hardware has it natively, else fp32
     compile: bool = False
@@ -307,6 +308,8 @@ def validate(cfg: Config) -> Config:
          f"train.device '{t.device}' is unknown; use auto, cpu, cuda or cuda:N"),
         (0.0 <= t.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)"),
         (t.rdrop_alpha >= 0.0, "train.rdrop_alpha must be >= 0"),
+        (0.0 <= t.bpe_dropout < 1.0, "train.bpe_dropout must be in [0, 1)"),
+        (t.bpe_dropout == 0.0 or d.tokenizer == "bpe", "train.bpe_dropout needs data.tokenizer: bpe (SentencePiece)"),
         (t.clip_norm >= 0, "train.clip_norm must be >= 0"),
         (t.precision in ("auto", "fp32", "bf16", "fp16"),
          f"train.precision '{t.precision}' is unknown (auto|fp32|bf16|fp16)"),

@@ -494,10 +494,12 @@ def read_init_from(cfg: Config) -> dict | None:
     return {"file": file, "model": model.state_dict(), "tokenizer": tokenizer.folder}
 
 
-def output_vocabulary(cfg: Config, init: dict | None, train: dp.Split) -> torch.Tensor | None:
+def output_vocabulary(cfg: Config, init: dict | None, train: dp.Split,
+                      resegment: dp.BpeDropout | None) -> torch.Tensor | None:
     """model.output_vocab 'target': the token ids (Vo,) the decoder may emit, ascending, with cfg.model.output_size
-    set to their number. From scratch, every token of the training targets plus eos and unk; fine-tuning keeps the
-    source model's; resuming, the run's own (None: its checkpoint holds them)."""
+    set to their number. From scratch, every token of the training targets plus eos and unk (with BPE-dropout,
+    every piece it could cut them into); fine-tuning keeps the source model's; resuming, the run's own (None: its
+    checkpoint holds them)."""
     if cfg.model.output_vocab != "target":
         return None
     saved = load_config_dict(Path(cfg.train.out_dir) / "config.yaml") if cfg.train.resume else None
@@ -509,6 +511,8 @@ def output_vocabulary(cfg: Config, init: dict | None, train: dp.Split) -> torch.
     else:
         counts = np.bincount(np.asarray(train.tgt_tokens), minlength=cfg.model.tgt_vocab_size)  # (V,)
         counts[[dp.EOS_ID, dp.UNK_ID]] += 1
+        if resegment is not None:
+            counts[resegment.tokenizer.reachable_ids(resegment.tgt_text)] += 1
         ids = torch.from_numpy(np.flatnonzero(counts))
     cfg.model.output_size = int(ids.numel())
     return ids
@@ -570,7 +574,9 @@ def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Tr
     t = cfg.train
     init = read_init_from(cfg)
     data = load_data(cfg, world, inherited_tokenizer(cfg, init))
-    output_ids = output_vocabulary(cfg, init, data["train"])
+    train = data["train"]
+    resegment = dp.BpeDropout(train, data["tokenizer"], t.bpe_dropout, t.seed) if t.bpe_dropout else None
+    output_ids = output_vocabulary(cfg, init, train, resegment)
     run_dir = Path(t.out_dir)
     resuming = check_run_dir(cfg, run_dir)  # read-only: a refusal touches nothing
     torch.manual_seed(t.seed)
@@ -581,12 +587,11 @@ def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Tr
         model.load_state_dict(init["model"])
     elif output_ids is not None:
         model.output_ids.copy_(output_ids)
-    train = data["train"]
     sampler = dp.TokenBatchSampler(train.src_lengths, train.tgt_lengths, t.max_tokens, shuffle=True, seed=t.seed,
                                    rank=rank, world_size=world, pad_multiple=t.pad_multiple)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay)
-    stream = dp.BatchStream(train, sampler, data["tokenizer"].pad_id, t.pad_multiple, t.max_epochs)
+    stream = dp.BatchStream(train, sampler, data["tokenizer"].pad_id, t.pad_multiple, t.max_epochs, resegment)
     objective = TranslationLoss(model, t.label_smoothing, data["tokenizer"].pad_id, data["tokenizer"].unk_id,
                                 t.rdrop_alpha)
     trainer = Trainer(cfg, model, objective, optimizer, stream, data, rank, world, device)

@@ -222,6 +222,64 @@ def test_collate_pads_both_sides_to_multiple_of_8(fixture_prepared):
 # ------------------------------------------------------------------------------------------- batching
 
 
+def test_bpe_merges_without_dropout_equal_sentencepiece(fixture_prepared):
+    """The numpy BPE that BPE-dropout runs gives SentencePiece's own ids at dropout 0, on every fixture line and
+    on text with runs of spaces, a leading space and characters outside the vocabulary (byte pieces)."""
+    tok = dp.load_tokenizer(fixture_prepared["bpe"])
+    lines = [line for split in ("train", "val", "test") for lang in ("en", "de") for line in fixture_lines(split, lang)]
+    lines += [" a  dog", "Grüße aus Köln!", "日本 ok", "", "x"]
+    bpe = dp.BpeMerges(tok.sp)
+    tokens, offsets = bpe.encode(*bpe.chars(lines), len(lines))
+    assert [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == tok.encode_lines(lines, "en")
+
+
+def test_bpe_dropout_recuts_the_same_text_each_epoch(fixture_prepared):
+    """Each epoch's pairs spell the training text exactly, in other (more, smaller) pieces than prepared; the same
+    epoch gives the same pieces again (exact resume, every rank alike), another epoch others; every target piece
+    is in the tokenizer's reachable set (model.output_vocab: target keeps them emittable)."""
+    tok = dp.load_tokenizer(fixture_prepared["bpe"])
+    train = dp.load_split(fixture_prepared["bpe"], "train")
+    src_text, tgt_text = train.texts(tok)
+    assert src_text == fixture_lines("train", "en") and tgt_text == fixture_lines("train", "de")
+    recut = dp.BpeDropout(train, tok, dropout=0.1, seed=1)
+    first, again, second = recut(0), recut(0), recut(1)
+    assert len(first) == len(train) and first.src_lengths.sum() > train.src_lengths.sum()
+    for i in range(len(train)):
+        src, tgt = first.pair(i)
+        assert src[-1] == dp.EOS_ID and tok.decode(src[:-1].tolist(), "en") == src_text[i]
+        assert tok.decode(tgt.tolist(), "de") == tgt_text[i]
+    assert np.array_equal(first.tgt_tokens, again.tgt_tokens) and np.array_equal(first.src_offsets, again.src_offsets)
+    assert not np.array_equal(first.tgt_offsets, second.tgt_offsets)
+    reachable = set(tok.reachable_ids(tgt_text).tolist())
+    sampled = set(np.concatenate([recut(e).tgt_tokens for e in range(5)]).tolist())
+    assert sampled <= reachable and set(np.asarray(train.tgt_tokens).tolist()) <= reachable
+
+
+def test_batch_stream_batches_each_epochs_own_cut(fixture_prepared):
+    """With resegment, each epoch's batches hold that epoch's pairs, every pair once, within max_tokens; resuming
+    at (epoch, batch) gives the same batches as running through."""
+    tok = dp.load_tokenizer(fixture_prepared["bpe"])
+    train = dp.load_split(fixture_prepared["bpe"], "train")
+    recut = dp.BpeDropout(train, tok, dropout=0.2, seed=3)
+    stream = lambda: dp.BatchStream(train, dp.TokenBatchSampler(train.src_lengths, train.tgt_lengths, 96, seed=3,
+                                                                 pad_multiple=1), 0, 1, max_epochs=2, resegment=recut)
+    full = list(stream())
+    for epoch in range(2):
+        cut, seen = recut(epoch), []
+        sampler = dp.TokenBatchSampler(cut.src_lengths, cut.tgt_lengths, 96, seed=3, pad_multiple=1)
+        sampler.set_epoch(epoch)
+        for indices in sampler:
+            seen += indices
+            assert max(max(len(cut.pair(i)[0]), len(cut.pair(i)[1]) + 1) for i in indices) * len(indices) <= 96
+        assert sorted(seen) == list(range(len(train)))
+    n0 = sum(1 for _ in dp.TokenBatchSampler(recut(0).src_lengths, recut(0).tgt_lengths, 96, seed=3, pad_multiple=1))
+    resumed = stream()
+    resumed.epoch, resumed.batch_in_epoch = 1, 2
+    for a, b in zip(full[n0 + 2 :], list(resumed), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert sum(int(b[2].ne(0).sum()) for b in full[:n0]) == recut(0).tgt_lengths.sum() + len(train)  # + eos
+
+
 def random_lengths(n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     return rng.integers(1, 60, n), rng.integers(1, 60, n)

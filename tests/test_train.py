@@ -338,9 +338,12 @@ def test_tiny_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_equals_uninterrupted(tmp_path):
-    # pad_multiple 1, the CPU recipes' setting: the resumed run must rebuild the same batch boundaries
-    common = ["train.precision=fp32", "train.eval_every=1000", "train.average_last=0", "train.pad_multiple=1"]
+@pytest.mark.parametrize("bpe_dropout", ["0.0", "0.1"])
+def test_resume_equals_uninterrupted(tmp_path, bpe_dropout):
+    # pad_multiple 1, the CPU recipes' setting: the resumed run must rebuild the same batch boundaries; with
+    # BPE-dropout (and the target output vocabulary it widens) also the same segmentation of its epoch
+    common = ["train.precision=fp32", "train.eval_every=1000", "train.average_last=0", "train.pad_multiple=1",
+              f"train.bpe_dropout={bpe_dropout}", "model.output_vocab=target"]
     run_train(tiny_args(tmp_path / "a", *common, "train.max_steps=24"))
     run_train(tiny_args(tmp_path / "b", *common, "train.max_steps=11"))
     run_train(tiny_args(tmp_path / "b", *common, "train.max_steps=24", "train.resume=true"))
