@@ -512,7 +512,7 @@ def output_vocabulary(cfg: Config, init: dict | None, train: dp.Split,
         counts = np.bincount(np.asarray(train.tgt_tokens), minlength=cfg.model.tgt_vocab_size)  # (V,)
         counts[[dp.EOS_ID, dp.UNK_ID]] += 1
         if resegment is not None:
-            counts[resegment.tokenizer.reachable_ids(resegment.tgt_text)] += 1
+            counts[resegment.bpe.reachable(resegment.tgt_text)] += 1
         ids = torch.from_numpy(np.flatnonzero(counts))
     cfg.model.output_size = int(ids.numel())
     return ids

@@ -230,7 +230,8 @@ def test_bpe_merges_without_dropout_equal_sentencepiece(fixture_prepared):
     lines += [" a  dog", "Grüße aus Köln!", "日本 ok", "", "x"]
     bpe = dp.BpeMerges(tok.sp)
     tokens, offsets = bpe.encode(*bpe.chars(lines), len(lines))
-    assert [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == tok.encode_lines(lines, "en")
+    assert [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)] == tok.encode_lines(
+        lines, "en")
 
 
 def test_bpe_dropout_recuts_the_same_text_each_epoch(fixture_prepared):
@@ -250,7 +251,7 @@ def test_bpe_dropout_recuts_the_same_text_each_epoch(fixture_prepared):
         assert tok.decode(tgt.tolist(), "de") == tgt_text[i]
     assert np.array_equal(first.tgt_tokens, again.tgt_tokens) and np.array_equal(first.src_offsets, again.src_offsets)
     assert not np.array_equal(first.tgt_offsets, second.tgt_offsets)
-    reachable = set(tok.reachable_ids(tgt_text).tolist())
+    reachable = set(recut.bpe.reachable(tgt_text).tolist())
     sampled = set(np.concatenate([recut(e).tgt_tokens for e in range(5)]).tolist())
     assert sampled <= reachable and set(np.asarray(train.tgt_tokens).tolist()) <= reachable
 
@@ -261,8 +262,11 @@ def test_batch_stream_batches_each_epochs_own_cut(fixture_prepared):
     tok = dp.load_tokenizer(fixture_prepared["bpe"])
     train = dp.load_split(fixture_prepared["bpe"], "train")
     recut = dp.BpeDropout(train, tok, dropout=0.2, seed=3)
-    stream = lambda: dp.BatchStream(train, dp.TokenBatchSampler(train.src_lengths, train.tgt_lengths, 96, seed=3,
-                                                                 pad_multiple=1), 0, 1, max_epochs=2, resegment=recut)
+
+    def stream() -> dp.BatchStream:
+        sampler = dp.TokenBatchSampler(train.src_lengths, train.tgt_lengths, 96, seed=3, pad_multiple=1)
+        return dp.BatchStream(train, sampler, 0, 1, max_epochs=2, resegment=recut)
+
     full = list(stream())
     for epoch in range(2):
         cut, seen = recut(epoch), []
