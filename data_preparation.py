@@ -981,7 +981,7 @@ class BpeDropout:
     comes back from the prepared ids (BPE decodes exactly), so the prepared data stay as they are."""
 
     def __init__(self, split: Split, tokenizer: BpeTokenizer, dropout: float, seed: int):
-        self.tokenizer, self.dropout, self.seed = tokenizer, dropout, seed
+        self.dropout, self.seed = dropout, seed
         self.src_text, self.tgt_text = split.texts(tokenizer)
         self.bpe = BpeMerges(tokenizer.sp)
         self.src_chars, self.tgt_chars = self.bpe.chars(self.src_text), self.bpe.chars(self.tgt_text)
