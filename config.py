@@ -340,7 +340,7 @@ def validate(cfg: Config) -> Config:
 # these may differ: the dropout rates act in training alone, and the sinusoid table of max_positions holds no
 # weights (positions past it are computed on the fly). Vocabulary sizes and pad id come from the inherited tokenizer,
 # output_size from the source's output vocabulary.
-FINETUNE_FREE_MODEL_FIELDS = ("dropout", "attn_dropout", "max_positions")
+FINETUNE_FREE_MODEL_FIELDS = ("dropout", "attn_dropout", "act_dropout", "max_positions")
 _DERIVED_MODEL_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id", "output_size")
 
 

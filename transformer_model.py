@@ -39,6 +39,7 @@ class ModelConfig:
     d_ff: int = 2048
     dropout: float = 0.1  # residual and embedding dropout, P_drop of §5.4
     attn_dropout: float = 0.0  # dropout on attention weights (not in the paper; tensor2tensor has it)
+    act_dropout: float = 0.0  # dropout on the FFN's ReLU units (not in the paper; fairseq's activation_dropout)
     pad_id: int = 0
     max_positions: int = 1024  # size of the precomputed sinusoid table; longer inputs compute it on the fly
     norm_first: bool = False  # False = the paper's post-norm LayerNorm(x + Sublayer(x)); True = pre-norm
@@ -89,7 +90,8 @@ class ModelConfig:
         need(allowed_kv is None or self.n_kv_heads in allowed_kv,
              f"n_kv_heads={self.n_kv_heads} is not for attention={self.attention!r}; use attention='gqa'")
         need(min(self.n_enc_layers, self.n_dec_layers, self.d_ff) > 0, "layer counts and d_ff must be > 0")
-        need(0.0 <= self.dropout < 1.0 and 0.0 <= self.attn_dropout < 1.0, "dropout values must be in [0, 1)")
+        need(all(0.0 <= p < 1.0 for p in (self.dropout, self.attn_dropout, self.act_dropout)),
+             "dropout values must be in [0, 1)")
         need(self.max_positions > 0, "max_positions must be > 0")
         need(self.kv_latent_dim >= 0 and self.q_latent_dim >= 0, "latent sizes must be >= 0")
         need(self.attention == "mla" or self.kv_latent_dim == self.q_latent_dim == 0,
@@ -299,15 +301,17 @@ class KVCache:
 
 
 class FeedForward(nn.Module):
-    """Position-wise feed-forward network, FFN(x) = max(0, x W1 + b1) W2 + b2 (eq. 2)."""
+    """Position-wise feed-forward network, FFN(x) = max(0, x W1 + b1) W2 + b2 (eq. 2); act_dropout > 0 drops
+    units of the ReLU output in training."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.d_model, cfg.d_ff)
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.dropout = Dropout(cfg.act_dropout) if cfg.act_dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.relu(self.w1(x)))  # (B,T,D) -> (B,T,F) -> (B,T,D)
+        return self.w2(self.dropout(F.relu(self.w1(x))))  # (B,T,D) -> (B,T,F) -> (B,T,D)
 
 
 class Dropout(nn.Dropout):

@@ -425,6 +425,7 @@ def test_all_padding_source_row_gives_no_nan(variant):
     (dict(attention="mha", n_kv_heads=2), "use attention='gqa'"),
     (dict(dropout=-0.1), "dropout"),
     (dict(attn_dropout=1.0), "dropout"),
+    (dict(act_dropout=-0.5), "dropout"),
     (dict(attention="flash"), "expected"),
     (dict(share_embeddings=True), "joint vocabulary"),
     (dict(kv_latent_dim=8), "only apply to attention='mla'"),
@@ -437,6 +438,24 @@ def test_validate_rejects_impossible_configs(bad, message):
         cfg.validate()
     with pytest.raises(ValueError, match=message):
         Transformer(cfg)
+
+
+def test_act_dropout_drops_ffn_units_in_training_only():
+    plain = tiny_model()
+    dropped = tiny_model(act_dropout=0.5)
+    dropped.load_state_dict(plain.state_dict())  # the option adds no parameters
+    src, tgt = tokens(2, 6, SRC_V), tokens(2, 5, TGT_V, seed=2)
+    h = torch.randn(2, 5, 16)
+    ff = dropped.decoder[0].ff
+    with torch.no_grad():
+        assert torch.equal(dropped(src, tgt), plain(src, tgt))  # eval: no dropout
+        hidden = F.relu(ff.w1(h))
+        kept = ff.train().dropout(hidden)
+    zeroed = (kept == 0) & (hidden != 0)
+    assert 0.3 < zeroed.float().sum() / (hidden != 0).float().sum() < 0.7  # about half the live units
+    assert torch.allclose(kept[kept != 0], 2 * hidden[kept != 0])  # kept units scaled by 1 / (1 - p)
+    dropped.train()
+    assert not torch.equal(dropped(src, tgt), plain(src, tgt))
 
 
 def test_config_round_trips_as_plain_dict():
