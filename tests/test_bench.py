@@ -1,4 +1,4 @@
-"""The speed benchmark of issue 6 runs end to end at toy sizes and writes every section; the GPU script parses."""
+"""The speed benchmark runs end to end at toy sizes and writes every section; the GPU script parses."""
 
 from __future__ import annotations
 
@@ -60,7 +60,12 @@ def test_quick_tiny_run_writes_every_section(tmp_path):
     assert kv["mqa"] < kv["gqa"] < kv["mha"] and kv["mla"] < kv["mha"]
     assert {t["name"].split(" (")[0] for t in r["targets"]} == {"training tok/s vs nn.Transformer",
                                                                "real batches: tok/s vs nn.Transformer",
+                                                               "real batches: MFU of ours",
                                                                "cached vs uncached beam search"}
+    mfu = [t for t in r["targets"] if t["name"].startswith("real batches: MFU")]
+    assert {t["name"] for t in mfu} == {f"real batches: MFU of ours ({p})" for p in ("fp32", "bf16")
+                                        if p == "fp32" or r["env"]["cpu_native_bf16"]}
+    assert all(t["achieved"] == real["runs"][f"ours_{t['name'][-5:-1]}"]["mfu"] for t in mfu)
 
 
 def test_real_batches_with_a_target_output_vocabulary(tmp_path):
