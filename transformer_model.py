@@ -91,6 +91,7 @@ class ModelConfig:
              f"n_kv_heads={self.n_kv_heads} is not for attention={self.attention!r}; use attention='gqa'")
         need(min(self.n_enc_layers, self.n_dec_layers, self.d_ff) > 0, "layer counts and d_ff must be > 0")
         need(all(0.0 <= p < 1.0 for p in (self.dropout, self.attn_dropout, self.act_dropout)),
+             f"dropout={self.dropout}, attn_dropout={self.attn_dropout}, act_dropout={self.act_dropout}: "
              "dropout values must be in [0, 1)")
         need(self.max_positions > 0, "max_positions must be > 0")
         need(self.kv_latent_dim >= 0 and self.q_latent_dim >= 0, "latent sizes must be >= 0")
