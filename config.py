@@ -264,22 +264,10 @@ def _spacy_missing_language(d: DataConfig) -> str:
     return ""
 
 
-def validate(cfg: Config) -> Config:
-    """Reject impossible values early, with the key to fix."""
-    try:  # vocabulary sizes come from the tokenizer later; check the rest now
-        probe = dataclasses.replace(cfg.model, src_vocab_size=cfg.model.src_vocab_size or 1000,
-                                    tgt_vocab_size=cfg.model.tgt_vocab_size or 1000)
-        probe.validate()
-    except ValueError as e:
-        raise UserError(f"model: {e}") from None
-    for section in dataclasses.fields(cfg):  # nan passes every comparison below, inf most of them
-        for f in dataclasses.fields(getattr(cfg, section.name)):
-            value = getattr(getattr(cfg, section.name), f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise UserError(f"{section.name}.{f.name} must be a finite number, got {value}")
-    d, t, dec = cfg.data, cfg.train, cfg.decode
+def _data_checks(d: DataConfig) -> list[tuple[bool, str]]:
+    """(ok, message) for data.*: each message names the key to fix."""
     spacy_missing = _spacy_missing_language(d)
-    checks = [
+    return [
         (d.dataset in ("multi30k", "files", "wmt14"), f"data.dataset '{d.dataset}' is unknown (multi30k|files|wmt14)"),
         (d.tokenizer in ("bpe", "spacy"), f"data.tokenizer '{d.tokenizer}' is unknown; use bpe or spacy"),
         (d.src_lang != d.tgt_lang, "data.src_lang and data.tgt_lang must differ"),
@@ -291,6 +279,12 @@ def validate(cfg: Config) -> Config:
          "data.test_splits cannot name 'train' or data.valid_split (testing on training or validation data)"),
         (not spacy_missing, f"data.tokenizer=spacy: spaCy has no language '{spacy_missing}' (data.src_lang/tgt_lang)"),
         (d.max_len >= 1 and d.max_len_ratio >= 1.0, "data.max_len must be >= 1 and data.max_len_ratio >= 1"),
+    ]
+
+
+def _train_checks(t: TrainConfig, d: DataConfig) -> list[tuple[bool, str]]:
+    """(ok, message) for train.*."""
+    return [
         (t.max_tokens >= 16, "train.max_tokens must be at least 16"),
         (0 <= t.seed < 1 << 32, f"train.seed must be in [0, 2**32) (numpy's seed range), got {t.seed}"),
         (t.pad_multiple >= 1, "train.pad_multiple must be >= 1 (1 = no rounding)"),
@@ -318,21 +312,45 @@ def validate(cfg: Config) -> Config:
         (t.out_dir.strip() != "", "train.out_dir is empty; give the folder for the run"),  # "" means the cwd
         (t.eval_bleu_sentences >= 0, "train.eval_bleu_sentences must be >= 0 (0 = the whole validation split)"),
         (t.average_last >= 0 and t.max_bad_steps >= 1, "train.average_last must be >= 0, train.max_bad_steps >= 1"),
+    ]
+
+
+def _decode_checks(dec: DecodeConfig, tgt_vocab_size: int) -> list[tuple[bool, str]]:
+    """(ok, message) for decode.*; tgt_vocab_size 0 while the tokenizer is not built yet."""
+    return [
         (dec.beam >= 1, "decode.beam must be >= 1"),
         # beam search ranks 2*beam candidates among the tokens it can emit (all but <pad> and <bos>)
-        (not cfg.model.tgt_vocab_size or 2 * dec.beam <= cfg.model.tgt_vocab_size - 2,
-         f"decode.beam={dec.beam} is too large for the target vocabulary of {cfg.model.tgt_vocab_size} tokens: "
-         f"beam search needs 2*beam <= {cfg.model.tgt_vocab_size - 2}; use decode.beam <= "
-         f"{max((cfg.model.tgt_vocab_size - 2) // 2, 1)}"),
+        (not tgt_vocab_size or 2 * dec.beam <= tgt_vocab_size - 2,
+         f"decode.beam={dec.beam} is too large for the target vocabulary of {tgt_vocab_size} tokens: "
+         f"beam search needs 2*beam <= {tgt_vocab_size - 2}; use decode.beam <= "
+         f"{max((tgt_vocab_size - 2) // 2, 1)}"),
         (dec.max_len_a >= 0 and dec.max_len_b >= 1, "decode.max_len_a must be >= 0 and decode.max_len_b >= 1"),
         (dec.batch_tokens >= 16, "decode.batch_tokens must be at least 16"),
         (dec.precision in ("auto", "fp32", "bf16"), f"decode.precision '{dec.precision}' is unknown (auto|fp32|bf16)"),
     ]
+
+
+def validate(cfg: Config) -> Config:
+    """Reject impossible values early, with the key to fix."""
+    try:  # vocabulary sizes come from the tokenizer later; check the rest now
+        probe = dataclasses.replace(cfg.model, src_vocab_size=cfg.model.src_vocab_size or 1000,
+                                    tgt_vocab_size=cfg.model.tgt_vocab_size or 1000)
+        probe.validate()
+    except ValueError as e:
+        raise UserError(f"model: {e}") from None
+    for section in dataclasses.fields(cfg):  # nan passes every comparison below, inf most of them
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{section.name}.{f.name} must be a finite number, got {value}")
+    checks = (_data_checks(cfg.data) + _train_checks(cfg.train, cfg.data)
+              + _decode_checks(cfg.decode, cfg.model.tgt_vocab_size))
     for ok, message in checks:
         if not ok:
             raise UserError(message)
-    if t.average_last > t.keep_last:
-        raise UserError(f"train.average_last ({t.average_last}) cannot exceed train.keep_last ({t.keep_last})")
+    if cfg.train.average_last > cfg.train.keep_last:
+        raise UserError(f"train.average_last ({cfg.train.average_last}) cannot exceed train.keep_last "
+                        f"({cfg.train.keep_last})")
     return cfg
 
 
