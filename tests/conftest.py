@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +141,20 @@ def tiny_run(tmp_path_factory) -> Path:
                       env={**os.environ, "OMP_NUM_THREADS": "1", "NMT_DEBUG": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root / "run"
+
+
+@pytest.fixture(scope="module")
+def translator(tiny_run):
+    """The tiny run loaded through the Python API (translator.Translator), once per module."""
+    from translator import Translator
+
+    return Translator.load(tiny_run, device="cpu")
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path) -> Path:
+    """A copy of the run of the requesting module's own `trained` fixture ((run dir, prepared dir)), for a test
+    to damage."""
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run)
+    return run

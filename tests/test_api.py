@@ -27,11 +27,6 @@ def run(tiny_run):
 
 
 @pytest.fixture(scope="module")
-def translator(run) -> Translator:
-    return Translator.load(run, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def reference(run):
     """(model, tokenizer, cfg) loaded the way translate.py loads them."""
     return load_checkpoint(run, "cpu")

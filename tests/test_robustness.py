@@ -97,13 +97,6 @@ def trained(tmp_path_factory):
     return root / "run", root / "prepared"
 
 
-@pytest.fixture
-def run_copy(trained, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(trained[0], run)
-    return run
-
-
 # ---------------------------------------------------------------- 1. configuration
 
 BAD_CONFIGS = [  # (overrides or a config file's text, expected words of the message)

@@ -36,13 +36,6 @@ def trained(tmp_path_factory):
     return root / "run", root / "prepared"
 
 
-@pytest.fixture
-def run_copy(trained, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(trained[0], run)
-    return run
-
-
 def checkpoints(run: Path) -> dict:
     return snapshot(*sorted(run.glob("checkpoint_*.pt")))
 

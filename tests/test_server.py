@@ -17,7 +17,6 @@ import pytest
 from conftest import ROOT, fixture_lines
 
 from server import Batcher
-from translator import Translator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,11 +33,6 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def run(tiny_run):
     return tiny_run
-
-
-@pytest.fixture(scope="module")
-def translator(run) -> Translator:
-    return Translator.load(run, device="cpu")
 
 
 @pytest.fixture(scope="module")
