@@ -201,6 +201,33 @@ class StopSignals:
         self.log(f"{name}: finishing the current step, then saving")
 
 
+class SkippedUpdates:
+    """Updates with a non-finite loss or gradient norm are skipped and logged; max_bad of them in a row stop the
+    run, naming the last good checkpoint. in_a_row is reset by every good update; total goes in the checkpoint."""
+
+    def __init__(self, max_bad: int, log, last_good, quiet: bool):
+        self.max_bad, self.log, self.last_good, self.quiet = max_bad, log, last_good, quiet
+        self.in_a_row, self.total = 0, 0
+
+    def skip(self, step: int, what: str) -> None:
+        self.in_a_row += 1
+        self.total += 1
+        self.log(f"step {step + 1}: non-finite {what}, update skipped ({self.in_a_row} in a row, {self.total} in all)")
+        if self.in_a_row >= self.max_bad:  # every rank sees it (all-reduced): rank 0 says it
+            raise UserError(f"training diverged: {self.in_a_row} non-finite updates in a row after step {step}; "
+                            f"lower train.lr_factor or set train.clip_norm; {self.last_good()}", quiet=self.quiet)
+
+
+def agree_on_clock(train_seconds: float, master: bool, received: int | None,
+                   device: torch.device) -> tuple[float, int | None]:
+    """Under DDP every rank takes rank 0's training clock (the same cooldown lr, the same last step) and stops at
+    this step if any rank received SIGINT/SIGTERM: returns (rank 0's seconds, a received signal number or None)."""
+    # max over ranks of (rank 0's clock, 0, ...) is rank 0's clock; of the signal numbers, any one
+    state = torch.tensor([train_seconds if master else 0.0, received or 0], dtype=torch.float64, device=device)
+    dist.all_reduce(state, op=dist.ReduceOp.MAX)
+    return float(state[0]), (received if received is not None else (int(state[1]) or None))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Training
 
@@ -219,11 +246,12 @@ class Trainer:
         self.run_dir = Path(cfg.train.out_dir)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
         self.step = 0
-        self.best_bleu, self.bad_evals, self.bad_steps, self.skipped_steps = -1.0, 0, 0, 0
+        self.best_bleu, self.bad_evals = -1.0, 0
         self.train_seconds = 0.0
         self.last_saved_step = None  # step of the checkpoint_last.pt on disk, for the messages
         self.metrics = MetricsLog(self.run_dir)
         self.signals = StopSignals(self.log, self.last_good)
+        self.skips = SkippedUpdates(cfg.train.max_bad_steps, self.log, self.last_good, quiet=not self.master)
 
     # -- state -------------------------------------------------------------------------------------------------
 
@@ -234,7 +262,7 @@ class Trainer:
             state.update(optimizer=self.optimizer.state_dict(), scaler=self.scaler.state_dict(),
                          epoch=self.stream.epoch, batch_in_epoch=self.stream.batch_in_epoch,
                          best_bleu=self.best_bleu, bad_evals=self.bad_evals,
-                         skipped_steps=self.skipped_steps, train_seconds=self.train_seconds, rng=rng_state())
+                         skipped_steps=self.skips.total, train_seconds=self.train_seconds, rng=rng_state())
         return state
 
     def load_last(self) -> os.stat_result:
@@ -254,7 +282,7 @@ class Trainer:
         self.step = state["step"]
         self.stream.epoch, self.stream.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
         self.best_bleu, self.bad_evals = state["best_bleu"], state["bad_evals"]
-        self.skipped_steps, self.train_seconds = state["skipped_steps"], state["train_seconds"]
+        self.skips.total, self.train_seconds = state["skipped_steps"], state["train_seconds"]
         self.last_saved_step = self.step
         self.log(f"resumed from step {self.step} (epoch {self.stream.epoch + 1}, batch {self.stream.batch_in_epoch})")
         return stat
@@ -320,16 +348,9 @@ class Trainer:
             self.optimizer.step()
         if not (loss_ok and grads_ok):  # NaN/inf loss: skip the update, and stop if it keeps happening
             self.optimizer.zero_grad(set_to_none=True)
-            self.bad_steps += 1
-            self.skipped_steps += 1
-            self.log(f"step {self.step + 1}: non-finite {'gradient' if loss_ok else 'loss'}, update skipped "
-                     f"({self.bad_steps} in a row, {self.skipped_steps} in all)")
-            if self.bad_steps >= t.max_bad_steps:
-                raise UserError(f"training diverged: {self.bad_steps} non-finite updates in a row after step "
-                                f"{self.step}; lower train.lr_factor or set train.clip_norm; {self.last_good()}",
-                                quiet=not self.master)  # every rank sees it (all-reduced): rank 0 says it
+            self.skips.skip(self.step, "gradient" if loss_ok else "loss")
             return float("nan"), 0
-        self.bad_steps = 0
+        self.skips.in_a_row = 0
         self.step += 1
         return nll_total / max(ntok / self.world, 1.0), int(ntok)
 
@@ -387,7 +408,10 @@ class Trainer:
                 before = self.step
                 loss, ntok = self.train_step(group)
                 now = time.perf_counter()
-                self.sync_step(now - t0)
+                self.train_seconds += now - t0
+                if self.world > 1:
+                    self.train_seconds, self.signals.received = agree_on_clock(self.train_seconds, self.master,
+                                                                               self.signals.received, self.device)
                 t0 = now
                 meter.tokens += ntok
                 out_of_time = t.max_minutes and self.train_seconds >= 60 * t.max_minutes
@@ -413,19 +437,6 @@ class Trainer:
         finally:
             self.signals.in_loop = False
             meter.bar.close()  # before any message, so that an error starts its own line
-
-    def sync_step(self, seconds: float) -> None:
-        """Count training time and, under DDP, agree on it and on stopping: every rank takes rank 0's clock (the
-        same cooldown lr, the same last step) and stops at this step if any rank received SIGINT/SIGTERM."""
-        self.train_seconds += seconds
-        if self.world > 1:
-            # max over ranks of (rank 0's clock, 0, ...) is rank 0's clock; of the signal numbers, any one
-            state = torch.tensor([self.train_seconds if self.master else 0.0, self.signals.received or 0],
-                                 dtype=torch.float64, device=self.device)
-            dist.all_reduce(state, op=dist.ReduceOp.MAX)
-            self.train_seconds = float(state[0])
-            if state[1] and self.signals.received is None:
-                self.signals.received = int(state[1])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -755,7 +766,7 @@ def main(argv: list[str]) -> None:
             leave_group(world)
         except SystemExit:
             if trainer is not None and trainer.signals.received is not None:
-                leave_group(world)  # every rank stopped at the same step (sync_step) and rank 0 has saved
+                leave_group(world)  # every rank stopped at the same step (agree_on_clock) and rank 0 has saved
             raise
         except RuntimeError as e:
             if world == 1 or not lost_contact(e):
