@@ -73,6 +73,7 @@ class TrainConfig:
     label_smoothing: float = 0.1
     rdrop_alpha: float = 0.0  # > 0: R-Drop (Liang et al. 2021), each batch twice + alpha * symmetric KL; 2x compute
     bpe_dropout: float = 0.0  # > 0: BPE-dropout (Provilkov et al. 2020), training pairs re-cut each epoch (bpe only)
+    src_token_drop: float = 0.0  # > 0: Token Drop (Zhang et al. 2020), training source pieces -> <unk> with this p
     clip_norm: float = 0.0  # 0 = no gradient clipping
     precision: str = "auto"  # auto | fp32 | bf16 | fp16; auto = bf16 where the hardware has it natively, else fp32
     compile: bool = False
@@ -303,6 +304,7 @@ def _train_checks(t: TrainConfig, d: DataConfig) -> list[tuple[bool, str]]:
         (0.0 <= t.label_smoothing < 1.0, "train.label_smoothing must be in [0, 1)"),
         (t.rdrop_alpha >= 0.0, "train.rdrop_alpha must be >= 0"),
         (0.0 <= t.bpe_dropout < 1.0, "train.bpe_dropout must be in [0, 1)"),
+        (0.0 <= t.src_token_drop < 1.0, "train.src_token_drop must be in [0, 1)"),
         (t.bpe_dropout == 0.0 or d.tokenizer == "bpe", "train.bpe_dropout needs data.tokenizer: bpe (SentencePiece)"),
         (t.clip_norm >= 0, "train.clip_norm must be >= 0"),
         (t.precision in ("auto", "fp32", "bf16", "fp16"),

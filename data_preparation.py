@@ -997,16 +997,26 @@ class BpeDropout:
                      tgt_offsets)
 
 
+def drop_source_tokens(src: torch.Tensor, p: float, rng: np.random.Generator, pad_id: int = PAD_ID) -> torch.Tensor:
+    """Token Drop (Zhang et al. 2020, without its two auxiliary losses): each source piece becomes <unk> with
+    probability p, so no translation can lean on one source piece alone; eos and padding stay. src (B,S)."""
+    hit = torch.from_numpy(rng.random(tuple(src.shape)) < p) & src.ne(pad_id) & src.ne(EOS_ID)
+    return src.masked_fill(hit, UNK_ID)
+
+
 class BatchStream:
     """The training batches, epoch after epoch, and their position (epoch, batch_in_epoch) for an exact resume:
     iterating continues from that position, so a resumed run reads the same batches in the same order.
 
-    resegment: epoch -> that epoch's training pairs (BpeDropout), batched by a sampler over their lengths."""
+    resegment: epoch -> that epoch's training pairs (BpeDropout), batched by a sampler over their lengths.
+    src_token_drop: drop_source_tokens' p, its draws a function of (seed, rank, epoch, batch), so a resumed run
+    drops the same pieces."""
 
     def __init__(self, split: Split, sampler: TokenBatchSampler, pad_id: int, pad_multiple: int, max_epochs: int = 0,
-                 resegment: Callable[[int], Split] | None = None):
+                 resegment: Callable[[int], Split] | None = None, src_token_drop: float = 0.0):
         self.split, self.sampler, self.pad_id, self.pad_multiple = split, sampler, pad_id, pad_multiple
         self.max_epochs, self.resegment = max_epochs, resegment  # max_epochs 0 = endless
+        self.src_token_drop = src_token_drop
         self.epoch, self.batch_in_epoch = 0, 0
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -1019,8 +1029,12 @@ class BatchStream:
             order = list(self.sampler)
             while self.batch_in_epoch < len(order):
                 indices = order[self.batch_in_epoch]
+                src, tgt_in, tgt_out = collate(self.split, indices, self.pad_id, self.pad_multiple)
+                if self.src_token_drop:
+                    rng = np.random.default_rng([self.sampler.seed, self.sampler.rank, self.epoch, self.batch_in_epoch])
+                    src = drop_source_tokens(src, self.src_token_drop, rng, self.pad_id)
                 self.batch_in_epoch += 1
-                yield collate(self.split, indices, self.pad_id, self.pad_multiple)
+                yield src, tgt_in, tgt_out
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
             if self.max_epochs and self.epoch >= self.max_epochs:
                 return

@@ -602,7 +602,8 @@ def build_pieces(cfg: Config, rank: int, world: int, device: torch.device) -> Tr
                                    rank=rank, world_size=world, pad_multiple=t.pad_multiple)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                  weight_decay=t.weight_decay)
-    stream = dp.BatchStream(train, sampler, data["tokenizer"].pad_id, t.pad_multiple, t.max_epochs, resegment)
+    stream = dp.BatchStream(train, sampler, data["tokenizer"].pad_id, t.pad_multiple, t.max_epochs, resegment,
+                            t.src_token_drop)
     objective = TranslationLoss(model, t.label_smoothing, data["tokenizer"].pad_id, data["tokenizer"].unk_id,
                                 t.rdrop_alpha)
     trainer = Trainer(cfg, model, objective, optimizer, stream, data, rank, world, device)

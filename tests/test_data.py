@@ -284,6 +284,35 @@ def test_batch_stream_batches_each_epochs_own_cut(fixture_prepared):
     assert sum(int(b[2].ne(0).sum()) for b in full[:n0]) == recut(0).tgt_lengths.sum() + len(train)  # + eos
 
 
+def test_source_token_drop_blanks_pieces_only_and_resumes_the_same(fixture_prepared):
+    """Token Drop turns about p of the source pieces into <unk> (never eos or padding, never a target), the rest
+    stay; each rank and batch draws its own, and a resumed stream draws the same as one run straight through."""
+    train = dp.load_split(fixture_prepared["bpe"], "train")
+
+    def stream(p: float, rank: int = 0) -> dp.BatchStream:
+        sampler = dp.TokenBatchSampler(train.src_lengths, train.tgt_lengths, 96, seed=3, pad_multiple=1,
+                                       rank=rank, world_size=2)
+        return dp.BatchStream(train, sampler, dp.PAD_ID, 1, max_epochs=2, src_token_drop=p)
+
+    clean, dropped = list(stream(0.0)), list(stream(0.3))
+    blanked = kept = 0
+    for (src, tgt_in, tgt_out), (dsrc, dtgt_in, dtgt_out) in zip(clean, dropped, strict=True):
+        assert torch.equal(tgt_in, dtgt_in) and torch.equal(tgt_out, dtgt_out)
+        pieces = src.ne(dp.PAD_ID) & src.ne(dp.EOS_ID)
+        assert torch.equal(src[~pieces], dsrc[~pieces])  # eos and padding untouched
+        changed = dsrc.ne(src)
+        assert bool((dsrc[changed] == dp.UNK_ID).all()) and not bool((changed & ~pieces).any())
+        blanked, kept = blanked + int(changed.sum()), kept + int((pieces & ~changed).sum())
+    assert 0.25 < blanked / (blanked + kept) < 0.35, blanked / (blanked + kept)
+    # batch k of the other rank holds other pairs and other draws
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(dropped, stream(0.3, rank=1), strict=False))
+    resumed = stream(0.3)
+    n0 = len(resumed.sampler)
+    resumed.epoch, resumed.batch_in_epoch = 1, 2
+    for a, b in zip(dropped[n0 + 2 :], list(resumed), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def random_lengths(n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     return rng.integers(1, 60, n), rng.integers(1, 60, n)

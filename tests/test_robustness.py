@@ -117,6 +117,7 @@ BAD_CONFIGS = [  # (overrides or a config file's text, expected words of the mes
     (["train.label_smoothing=1.0"], "train.label_smoothing"),
     (["train.rdrop_alpha=-1"], "train.rdrop_alpha"),
     (["train.bpe_dropout=1"], "train.bpe_dropout must be in [0, 1)"),
+    (["train.src_token_drop=-0.1"], "train.src_token_drop must be in [0, 1)"),
     (["train.bpe_dropout=0.1", "data.tokenizer=spacy"], "train.bpe_dropout needs data.tokenizer: bpe"),
     (["train.weight_decay=-0.1"], "train.weight_decay"),
     (["train.adam_beta2=1.5"], "train.adam_beta"),
