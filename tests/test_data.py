@@ -286,12 +286,11 @@ def test_batch_stream_batches_each_epochs_own_cut(fixture_prepared):
 
 def test_source_token_drop_blanks_pieces_only_and_resumes_the_same(fixture_prepared):
     """Token Drop turns about p of the source pieces into <unk> (never eos or padding, never a target), the rest
-    stay; each rank and batch draws its own, and a resumed stream draws the same as one run straight through."""
+    stay, and a resumed stream draws the same as one run straight through."""
     train = dp.load_split(fixture_prepared["bpe"], "train")
 
-    def stream(p: float, rank: int = 0) -> dp.BatchStream:
-        sampler = dp.TokenBatchSampler(train.src_lengths, train.tgt_lengths, 96, seed=3, pad_multiple=1,
-                                       rank=rank, world_size=2)
+    def stream(p: float) -> dp.BatchStream:
+        sampler = dp.TokenBatchSampler(train.src_lengths, train.tgt_lengths, 96, seed=3, pad_multiple=1)
         return dp.BatchStream(train, sampler, dp.PAD_ID, 1, max_epochs=2, src_token_drop=p)
 
     clean, dropped = list(stream(0.0)), list(stream(0.3))
@@ -304,8 +303,6 @@ def test_source_token_drop_blanks_pieces_only_and_resumes_the_same(fixture_prepa
         assert bool((dsrc[changed] == dp.UNK_ID).all()) and not bool((changed & ~pieces).any())
         blanked, kept = blanked + int(changed.sum()), kept + int((pieces & ~changed).sum())
     assert 0.25 < blanked / (blanked + kept) < 0.35, blanked / (blanked + kept)
-    # batch k of the other rank holds other pairs and other draws
-    assert not all(torch.equal(a[0], b[0]) for a, b in zip(dropped, stream(0.3, rank=1), strict=False))
     resumed = stream(0.3)
     n0 = len(resumed.sampler)
     resumed.epoch, resumed.batch_in_epoch = 1, 2
