@@ -49,6 +49,7 @@ class DataConfig:
     test_prefixes: list[str] = field(default_factory=list)
     sample_size: int = 2_000_000  # bpe: sentences sampled to train SentencePiece (input_sentence_size)
     num_workers: int = 0  # processes used to encode large corpora (0 = one per CPU core, at most 8)
+    bidirectional: bool = False  # bpe: the training split also holds every pair reversed (tgt -> src)
 
 
 @dataclass
@@ -280,6 +281,8 @@ def _data_checks(d: DataConfig) -> list[tuple[bool, str]]:
          "data.test_splits cannot name 'train' or data.valid_split (testing on training or validation data)"),
         (not spacy_missing, f"data.tokenizer=spacy: spaCy has no language '{spacy_missing}' (data.src_lang/tgt_lang)"),
         (d.max_len >= 1 and d.max_len_ratio >= 1.0, "data.max_len must be >= 1 and data.max_len_ratio >= 1"),
+        (not d.bidirectional or d.tokenizer == "bpe",
+         "data.bidirectional needs data.tokenizer: bpe (one vocabulary for both languages)"),
     ]
 
 

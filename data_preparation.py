@@ -495,18 +495,22 @@ def _encode_split(cfg: DataConfig, folder: Path, split: str, sides: list[list[Pa
     """
     langs, train = (cfg.src_lang, cfg.tgt_lang), split == "train"
     stats = {"lines": lines, "blank": 0, "too_long": 0, "bad_ratio": 0}
+    passes = 2 if train and cfg.bidirectional else 1
     lengths, tokens, unks = {"src": [], "tgt": []}, {"src": 0, "tgt": 0}, {"src": 0, "tgt": 0}
     seen = 0  # pairs read (blank training pairs excluded)
     raw = {side: open(folder / f"{split}.{side}.tokens.bin", "wb") for side in ("src", "tgt")}
     text = {} if train else {lang: open(folder / f"{split}.{lang}.txt", "w", encoding="utf-8") for lang in langs}
     if train:  # blank pairs left out (counted below)
         pairs = ((src, tgt) for _, src, tgt in TrainText(*sides, langs, lines))
+        if passes == 2:  # then every pair reversed: the source's language alone says which way to translate
+            back = ((tgt, src) for _, src, tgt in TrainText(*sides, langs, lines))
+            pairs = itertools.chain(pairs, back)
     else:
         pairs = _line_pairs(sides)
     chunks = _batched(pairs, ENCODE_CHUNK)
     desc = f"encode {split} ({workers} process{'es' * (workers > 1)})"
     try:
-        with _bar(lines, desc) as bar:
+        with _bar(passes * lines, desc) as bar:
             for chunk, (src_flat, src_len, tgt_flat, tgt_len) in _encode_stream(chunks, folder, langs, workers):
                 keep = np.ones(len(chunk), bool)
                 if train:  # usual corpus cleaning; never applied to valid/test (the BLEU references)
@@ -539,8 +543,9 @@ def _encode_split(cfg: DataConfig, folder: Path, split: str, sides: list[list[Pa
         _to_npy(folder / f"{split}.{side}.tokens.bin", folder / f"{split}.{side}.tokens.npy", dtype, tokens[side])
     pairs_kept = len(offsets) - 1
     src_text = tokens["src"] - pairs_kept  # text tokens: the eos of each source is not counted
-    if train:
-        stats["blank"] = lines - seen
+    if train:  # the reversed pass drops the same pairs again: count them once
+        stats = {"lines": lines, "blank": lines - seen // passes, "too_long": stats["too_long"] // passes,
+                 "bad_ratio": stats["bad_ratio"] // passes}
     else:
         stats = {"lines": lines}
     return {**stats, "pairs": pairs_kept, "src_tokens": src_text, "tgt_tokens": tokens["tgt"],
@@ -556,6 +561,8 @@ def _cache_key(cfg: DataConfig, files: dict, tokenizer: Path | None = None) -> t
                 "splits": list(files)}
     if cfg.tokenizer == "bpe":
         settings.update(vocab_size=cfg.vocab_size, sample_size=cfg.sample_size)
+    if cfg.bidirectional:  # only when on, so the folders prepared before the option keep their key
+        settings.update(bidirectional=True)
     else:
         settings.update(min_freq=cfg.min_freq, lowercase=cfg.lowercase)
     if tokenizer is not None:
@@ -686,7 +693,7 @@ def _build(cfg: DataConfig, files: dict, folder: Path, tokenizer: Path | None = 
     return {"format": FORMAT_VERSION, "dataset": cfg.dataset, "src_lang": langs[0], "tgt_lang": langs[1],
             "tokenizer": cfg.tokenizer, "joint": tok.joint, "src_vocab_size": tok.src_vocab_size,
             "tgt_vocab_size": tok.tgt_vocab_size, "dtype": np.dtype(dtype).name,
-            "valid_split": cfg.valid_split,
+            "valid_split": cfg.valid_split, "bidirectional": cfg.bidirectional,
             "test_splits": [s for s in files if s not in ("train", cfg.valid_split)], "splits": splits}
 
 
@@ -708,6 +715,8 @@ def print_summary(meta: dict, folder: Path) -> None:
     print(f"train: {t['lines']} lines, skipped {t['blank']} blank, dropped {t['too_long']} longer than "
           f"{meta['settings']['max_len']} tokens and {t['bad_ratio']} with length ratio > "
           f"{meta['settings']['max_len_ratio']}")
+    if meta.get("bidirectional"):
+        print(f"train holds each kept pair twice, {src}->{tgt} and {tgt}->{src}; valid/test are {src}->{tgt} only")
 
 
 # ------------------------------------------------------------------------------------------------ reading
