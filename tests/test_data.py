@@ -166,6 +166,33 @@ def test_train_filters_blank_lines_and_keeps_valid_intact(tmp_path, capsys):
     assert "skipped 3 blank, dropped 1 longer than 20 tokens and 1 with length ratio > 3.0" in summary
 
 
+def test_bidirectional_train_holds_each_kept_pair_reversed_too(tmp_path, capsys):
+    en = fixture_lines("train", "en") + ["", "word " * 100, "Yes."]
+    de = fixture_lines("train", "de") + ["Ein Hund.", "Wort " * 100, "Ja, das ist wirklich so."]
+    train = write_corpus(tmp_path / "c", "train", en, de)
+    one = fixture_config(tmp_path / "p", train_prefix=train, max_len=80)
+    both = fixture_config(tmp_path / "p", train_prefix=train, max_len=80, bidirectional=True)
+    folder, folder2 = dp.prepare(one), dp.prepare(both)
+    assert folder2 != folder and read_meta(folder2)["bidirectional"] and not read_meta(folder)["bidirectional"]
+    assert "train holds each kept pair twice, en->de and de->en" in capsys.readouterr().out
+    stats, stats2 = read_meta(folder)["splits"], read_meta(folder2)["splits"]
+    assert (stats2["train"]["blank"], stats2["train"]["too_long"], stats2["train"]["bad_ratio"]) == (1, 1, 1)
+    assert {k: v for k, v in stats2["train"].items() if "tokens" not in k and k != "pairs"} == \
+        {k: v for k, v in stats["train"].items() if "tokens" not in k and k != "pairs"}
+    forward, doubled = dp.load_split(folder, "train"), dp.load_split(folder2, "train")
+    n = len(forward)
+    assert n == 40 and len(doubled) == stats2["train"]["pairs"] == 2 * n
+    for i in range(n):
+        src, tgt = forward.pair(i)
+        assert [a.tolist() for a in doubled.pair(i)] == [src.tolist(), tgt.tolist()]
+        back_src, back_tgt = doubled.pair(n + i)
+        assert back_src.tolist() == tgt.tolist() + [dp.EOS_ID] and back_tgt.tolist() == src[:-1].tolist()
+    for split in ("val", "test"):  # evaluated in the configured direction only
+        assert [a.tolist() for a in dp.load_split(folder2, split).pair(3)] == \
+            [a.tolist() for a in dp.load_split(folder, split).pair(3)]
+    assert (folder2 / "spm.model").read_bytes() == (folder / "spm.model").read_bytes()
+
+
 def test_mismatched_line_counts_name_both_files(tmp_path):
     val = write_corpus(tmp_path, "val", fixture_lines("val", "en"), fixture_lines("val", "de")[:-2])
     with pytest.raises(UserError) as error:

@@ -119,6 +119,7 @@ BAD_CONFIGS = [  # (overrides or a config file's text, expected words of the mes
     (["train.bpe_dropout=1"], "train.bpe_dropout must be in [0, 1)"),
     (["train.src_token_drop=-0.1"], "train.src_token_drop must be in [0, 1)"),
     (["train.bpe_dropout=0.1", "data.tokenizer=spacy"], "train.bpe_dropout needs data.tokenizer: bpe"),
+    (["data.bidirectional=true", "data.tokenizer=spacy"], "data.bidirectional needs data.tokenizer: bpe"),
     (["train.weight_decay=-0.1"], "train.weight_decay"),
     (["train.adam_beta2=1.5"], "train.adam_beta"),
     (["train.device=tpu"], "train.device"),
