@@ -66,11 +66,15 @@ def next_log_probs(model, tokens: torch.Tensor, memory: torch.Tensor, src_mask: 
         h = model.decode(tokens[:, -1:], memory, src_mask, cache)  # (N,1,D): only the newest token is fed
     else:
         h = model.decode(tokens, memory, src_mask)  # (N,t+1,D): the whole prefix again, no cache
-    logits = model.logits(h[:, -1]).float()  # (N,V)
-    # never emit padding or a second bos; masked before the softmax, so the other tokens share their mass, as
-    # in CTranslate2: both engines then search the same distribution
-    logits[:, PAD_ID] = NEG_INF
-    logits[:, BOS_ID] = NEG_INF
+    return emittable_log_probs(model.logits(h[:, -1]))  # (N,V)
+
+
+def emittable_log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax (...,V) in fp32 over the tokens a search may emit: padding and a second bos are masked before
+    the softmax, so the other tokens share their mass, as in CTranslate2 (both engines search one distribution)."""
+    logits = logits.float()
+    logits[..., PAD_ID] = NEG_INF
+    logits[..., BOS_ID] = NEG_INF
     return logits.log_softmax(dim=-1)
 
 
@@ -214,6 +218,63 @@ def beam_search(model, src: torch.Tensor, beam: int, len_penalty: float, max_len
         # is smaller than the beam and the length bound is short; the rest are ([], -inf), no hypothesis.
         results.append((hyps + [([], NEG_INF)] * nbest)[:nbest])
     return results
+
+
+# ---------------------------------------------------------------- ensembles
+
+
+class EnsembleCache:
+    """One KVCache per member, reordered together."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+
+    @property
+    def length(self) -> int:
+        return self.caches[0].length
+
+    def reorder(self, index: torch.Tensor) -> None:
+        for cache in self.caches:
+            cache.reorder(index)
+
+    def reorder_beams(self, rows: torch.Tensor, kept: torch.Tensor | None) -> None:
+        for cache in self.caches:
+            cache.reorder_beams(rows, kept)
+
+
+class Ensemble(torch.nn.Module):
+    """Models that share one tokenizer, searched as one: the next-token distribution is the mean of the members'
+    probabilities (as fairseq's EnsembleModel). Their memories and hidden states travel concatenated along the
+    feature dim (B,S,D1+D2+...), so the searches index and reorder them along the batch dim as for one model."""
+
+    def __init__(self, models: list):
+        super().__init__()
+        self.members = torch.nn.ModuleList(models)
+        self.widths = [m.cfg.d_model for m in models]
+        self.cfg = min((m.cfg for m in models), key=lambda c: c.max_positions)  # the tightest position limit
+
+    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """src (B,S) -> the members' memories side by side (B,S,sum D) and the src_mask (B,S)."""
+        encoded = [m.encode(src) for m in self.members]
+        return torch.cat([memory for memory, _ in encoded], dim=-1), encoded[0][1]
+
+    def new_cache(self) -> EnsembleCache:
+        return EnsembleCache([m.new_cache() for m in self.members])
+
+    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
+               cache: EnsembleCache | None = None) -> torch.Tensor:
+        """The members' hidden states side by side, (B,T,sum D)."""
+        caches = cache.caches if cache is not None else [None] * len(self.members)
+        parts = memory.split(self.widths, dim=-1)
+        return torch.cat([m.decode(tgt, part, src_mask, c)
+                          for m, part, c in zip(self.members, parts, caches, strict=True)], dim=-1)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """log of the mean of the members' search distributions (...,V), fp32: normalised, so
+        emittable_log_probs returns it as it is."""
+        lprobs = [emittable_log_probs(m.logits(part))
+                  for m, part in zip(self.members, h.split(self.widths, dim=-1), strict=True)]
+        return torch.stack(lprobs).logsumexp(dim=0) - math.log(len(lprobs))
 
 
 # ---------------------------------------------------------------- text in, text out

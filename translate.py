@@ -95,10 +95,13 @@ EXAMPLES = """examples:
   python translate.py --checkpoint runs/multi30k_en_de/checkpoint_last.pt --nbest 3 "A dog runs."
   python translate.py --checkpoint runs/multi30k_en_de "A dog runs." --plot-attention attn.png --all-heads
   python translate.py --checkpoint exported/en_de < in.en > out.de      # a folder written by export.py
+  python translate.py --checkpoint runs/a --checkpoint runs/b --reference test_2016_flickr   # an ensemble
 
 --checkpoint takes a run directory (checkpoint_avg.pt, else checkpoint_best.pt, else checkpoint_last.pt), a
 .pt file whose folder holds tokenizer/, or a CTranslate2 folder written by export.py (--engine auto picks
-ctranslate2 for it; --engine ctranslate2 needs one, --engine torch refuses one). Without sentences or --input,
+ctranslate2 for it; --engine ctranslate2 needs one, --engine torch refuses one). Given more than once (runs or
+.pt files trained with the same tokenizer), the models decode as an ensemble: each step's next-token
+distribution is the mean of theirs; the decode settings come from the first. Without sentences or --input,
 lines are read from standard input in chunks of up to --buffer-size lines, each translated as one batch and
 written (flushed) in input order; a chunk ends early when the input pauses, so a terminal, or a program that
 writes a line and waits for its answer, is answered line by line. One output line per input line (an empty
@@ -118,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Translate sentences with a trained Transformer (beam search, BLEU, attention plots).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("text", nargs="*", help="sentences to translate, one output line each")
-    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR_OR_FILE",
-                   help="run directory, .pt file, or a CTranslate2 folder written by export.py")
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR_OR_FILE", action="append",
+                   help="run directory, .pt file, or a CTranslate2 folder written by export.py; given twice or "
+                        "more: an ensemble of runs of one tokenizer (torch), the mean of their probabilities")
     p.add_argument("--engine", default="auto", choices=["auto", *ENGINES],
                    help="auto (default): ctranslate2 for an export.py folder, else torch")
     p.add_argument("--input", metavar="FILE", help="translate this UTF-8 text file, one sentence per line")
@@ -407,22 +411,32 @@ def load_translator(args: argparse.Namespace) -> tuple[Translator, Path | None]:
     if args.plot_attention and len(args.text) != 1:
         raise UserError("--plot-attention needs exactly one sentence given as an argument")
     check_numbers(args)
-    engine, source = locate(args.checkpoint, args.engine)
+    (engine, source), *more = [locate(path, args.engine) for path in args.checkpoint]
     if engine != "torch":
         torch_only(args)
+    if more and (args.plot_attention is not None or {engine, *(e for e, _ in more)} != {"torch"}):
+        raise UserError("an ensemble (--checkpoint given more than once) needs run directories or .pt files "
+                        "(engine torch) and no --plot-attention")
     device = resolve_device(args.device, "--device")
-    output = output_path(args.output, args, source) if args.output is not None else None
+    output = None
+    if args.output is not None:
+        for checkpoint in [source, *(s for _, s in more)]:  # never a file of any member
+            output = output_path(args.output, args, checkpoint)
     if args.plot_attention is not None:
         plot_path(args, source, output)
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # the ctranslate2 engine takes torch's thread count too
-    tr = Translator.load(source, device=str(device), precision=args.precision, engine=engine,
-                         batch_tokens=args.batch_tokens, max_src_len=args.max_src_len, use_cache=not args.no_cache)
-    return tr, output
+    options = dict(device=str(device), precision=args.precision, batch_tokens=args.batch_tokens,
+                   max_src_len=args.max_src_len, use_cache=not args.no_cache)
+    if more:
+        return Translator.load_ensemble([source, *(s for _, s in more)], **options), output
+    return Translator.load(source, engine=engine, **options), output
 
 
 def serve(args: argparse.Namespace) -> int:
     """--serve: hand the model options to server.py, the one HTTP implementation."""
+    if len(args.checkpoint) > 1:
+        raise UserError("--serve serves one model: give --checkpoint once")
     translating = [flag for flag, on in (("sentences", args.text), ("--input", args.input), ("--output", args.output),
                                          ("--reference", args.reference), ("--plot-attention", args.plot_attention))
                    if on]
@@ -432,7 +446,7 @@ def serve(args: argparse.Namespace) -> int:
         raise UserError("--serve decodes with the torch engine (the page shows attention): no int8 or ctranslate2")
     import server  # fastapi and uvicorn only when serving
 
-    argv = ["--checkpoint", args.checkpoint, "--host", args.host, "--port", str(args.port), "--device", args.device]
+    argv = ["--checkpoint", args.checkpoint[0], "--host", args.host, "--port", str(args.port), "--device", args.device]
     argv += ["--precision", args.precision] if args.precision else []
     argv += ["--threads", str(args.threads)] if args.threads else []
     argv += ["--max-batch-tokens", str(args.batch_tokens)] if args.batch_tokens else []

@@ -8,6 +8,7 @@ cross-attention weights as plain Python values.
     t.attention[-1][0]  # last decoder layer, head 1: rows are output pieces t.tgt_tokens, columns t.src_tokens
 
     Translator.load("exported/en_de")  # a folder written by export.py: engine "auto" picks ctranslate2
+    Translator.load_ensemble(["runs/a", "runs/b"])  # two runs of one tokenizer decoded as one (torch)
 
 Two engines give the same Translation types. torch: decoding.search_texts (length-sorted batches of about
 batch_tokens source tokens, beam search with the KV cache, greedy search at beam 1), so results equal
@@ -28,8 +29,8 @@ import torch
 import ct2_engine
 from checkpoint import find_checkpoint, load_checkpoint
 from config import Config, config_from_dict
-from data_preparation import BOS_ID, EOS_ID
-from decoding import encode_sources, search_texts, source_limit
+from data_preparation import BOS_ID, EOS_ID, tokenizer_fingerprint
+from decoding import Ensemble, encode_sources, search_texts, source_limit
 from runtime import UserError, autocast, resolve_device, resolve_precision
 
 ENGINES = ("torch", "ctranslate2")
@@ -150,6 +151,29 @@ class Translator:
         return cls(model, tokenizer, cfg, dev, resolve_precision(precision or cfg.decode.precision, dev), name,
                    batch_tokens, max_src_len, use_cache)
 
+    @classmethod
+    def load_ensemble(cls, runs_or_checkpoints: list, device: str = "auto", precision: str | None = None,
+                      batch_tokens: int | None = None, max_src_len: int | None = None,
+                      use_cache: bool = True) -> Translator:
+        """One Translator over several runs of the same tokenizer (torch engine), searching with the mean of
+        their probabilities (decoding.Ensemble). Settings (decode section, precision) come from the first."""
+        if len(runs_or_checkpoints) < 2:
+            raise UserError("an ensemble needs at least two runs or checkpoints")
+        members = []
+        for path in runs_or_checkpoints:
+            engine, source = locate(path, "torch")
+            members.append((source, cls.load(source, device, precision, engine, batch_tokens, max_src_len, use_cache)))
+        (first_source, first), *others = members
+        sha = tokenizer_fingerprint(first.tokenizer.folder)
+        for source, other in others:
+            if tokenizer_fingerprint(other.tokenizer.folder) != sha:
+                raise UserError(f"{source} was trained with another tokenizer than {first_source}: an ensemble "
+                                "needs runs that read and write the same token ids")
+        model = Ensemble([t.model for _, t in members])
+        name = " + ".join(t.name for _, t in members)
+        return cls(model, first.tokenizer, first.cfg, first.device, first.precision, name, first.batch_tokens,
+                   first.max_src_len, use_cache)
+
     @property
     def default_beam(self) -> int:
         """The beam translate() uses when none is given: the checkpoint's decode.beam."""
@@ -182,6 +206,8 @@ class Translator:
             raise TypeError(f"attention must be a bool, got {type(attention).__name__}")
         if attention and self.engine != "torch":
             raise ValueError(f"attention=True needs engine torch; this Translator runs {self.engine}")
+        if attention and isinstance(self.model, Ensemble):
+            raise ValueError("attention=True needs a single model; this Translator is an ensemble")
         texts = list(texts)
         with self._lock:
             if self.engine == "ctranslate2":

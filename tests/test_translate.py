@@ -226,6 +226,43 @@ def test_real_cached_equals_uncached(attention):
         assert [s for _, s in h] == pytest.approx([s for _, s in u], abs=1e-4)
 
 
+def test_ensemble_of_one_model_twice_searches_as_the_model(model):
+    src = decoding.pad_batch(random_sources())
+    twice = decoding.Ensemble([model, model])
+    with torch.inference_mode():
+        assert decoding.greedy_search(twice, src, 1.0, 5) == decoding.greedy_search(model, src, 1.0, 5)
+        alone = decoding.beam_search(model, src, 4, 0.6, 1.0, 5, nbest=4)
+        ensemble = decoding.beam_search(twice, src, 4, 0.6, 1.0, 5, nbest=4)
+    assert [[t for t, _ in h] for h in ensemble] == [[t for t, _ in h] for h in alone]
+    for h, a in zip(ensemble, alone, strict=True):
+        assert [s for _, s in h] == pytest.approx([s for _, s in a], abs=1e-5)
+
+
+@pytest.mark.parametrize("second", ["mha", "mla"])
+def test_ensemble_takes_the_mean_probability_and_caches_like_one_model(second):
+    """Members of other widths and attention kinds: the ensemble's next-token log-probabilities are the log of
+    the mean of theirs at every prefix, and its cached search equals its uncached one."""
+    first = tiny_model(seed=0)
+    torch.manual_seed(3)
+    other = Transformer(ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=48, n_heads=4, n_enc_layers=1,
+                                    n_dec_layers=3, d_ff=96, dropout=0.0, attention=second)).eval()
+    ens = decoding.Ensemble([first, other])
+    src = decoding.pad_batch(random_sources()[:3])
+    tgt = torch.randint(4, 40, (3, 6), generator=torch.Generator().manual_seed(2))
+    tgt[:, 0] = BOS
+    with torch.inference_mode():
+        memory, mask = ens.encode(src)
+        got = decoding.next_log_probs(ens, tgt, memory, mask, None)  # (3,V)
+        probs = [decoding.next_log_probs(m, tgt, *m.encode(src), None).exp() for m in (first, other)]
+        assert got.exp().sum(-1) == pytest.approx(torch.ones(3), abs=1e-5)
+        assert torch.allclose(got.exp(), (probs[0] + probs[1]) / 2, atol=1e-6)
+        assert not torch.allclose(probs[0], probs[1], atol=1e-2)  # the members really differ
+        full = decoding.beam_search(ens, src, 4, 0.6, 1.0, 5, nbest=4, use_cache=False)
+        cached = decoding.beam_search(ens, src, 4, 0.6, 1.0, 5, nbest=4)
+        assert decoding.greedy_search(ens, src, 1.0, 5) == decoding.greedy_search(ens, src, 1.0, 5, use_cache=False)
+    assert [[t for t, _ in h] for h in cached] == [[t for t, _ in h] for h in full]
+
+
 def test_real_greedy_equals_argmax_of_the_training_forward_pass(model):
     """An independent reference: run model(src, tgt_in) on the growing prefix, take the argmax each step."""
     a, b = 1.0, 3
@@ -393,6 +430,35 @@ def test_cli_sentences_and_plot_attention(run_dir, tmp_path):
     expected = decoding.translate_texts(model, tokenizer, ["A man is riding a bike."], beam=3, max_len_b=8)
     assert proc.stdout.decode("utf-8") == expected[0] + "\n"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_cli_ensemble_of_two_runs_and_its_refusals(run_dir, tmp_path, capsys):
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    state = torch.load(other / "checkpoint_last.pt")
+    torch.manual_seed(5)
+    state["model"] = Transformer(config_from_dict(state["config"]).model).state_dict()
+    torch.save(state, other / "checkpoint_last.pt")
+    sentences = ["A man is riding a bike.", "Two dogs play in the snow.", "A woman sings."]
+    status, out, err = run_main(capsys, "--checkpoint", run_dir, "--checkpoint", other, *sentences)
+    assert status == 0, err
+    models = [checkpoint.load_checkpoint(path)[0] for path in (run_dir, other)]
+    _, tokenizer, _ = checkpoint.load_checkpoint(run_dir)
+    expected = decoding.translate_texts(decoding.Ensemble(models), tokenizer, sentences, beam=3, max_len_b=8)
+    alone = [decoding.translate_texts(m, tokenizer, sentences, beam=3, max_len_b=8) for m in models]
+    assert out.splitlines() == expected and expected not in alone
+    for extra, message in [(["--plot-attention", tmp_path / "a.png"], "an ensemble"),
+                           (["--serve"], "--serve serves one model")]:
+        status, _, err = run_main(capsys, "--checkpoint", run_dir, "--checkpoint", other, sentences[0], *extra)
+        assert status != 0 and message in err
+    (other / "tokenizer" / "tokenizer.json").write_text(
+        (other / "tokenizer" / "tokenizer.json").read_text().replace('"src_lang": "en"', '"src_lang": "fr"'))
+    status, _, err = run_main(capsys, "--checkpoint", run_dir, "--checkpoint", other, sentences[0])
+    assert status != 0 and "was trained with another tokenizer" in err
+    from translator import Translator
+
+    with pytest.raises(ValueError, match="ensemble"):
+        Translator.load_ensemble([run_dir, run_dir], device="cpu").translate(sentences[:1], attention=True)
 
 
 def test_cli_streams_stdin_line_by_line(run_dir):
