@@ -520,3 +520,50 @@ def test_target_output_vocabulary_end_to_end(tmp_path):
     assert torch.equal(tuned_ids, first["model"]["output_ids"])
     run_train(["--config", str(tuned / "config.yaml"), "--resume", "train.max_steps=6"])  # ids from its checkpoint
     assert read_checkpoint(tuned / "checkpoint_last.pt")["step"] == 6
+
+
+# -- train_ensemble.py ----------------------------------------------------------------------------------------
+
+
+def run_ensemble(tmp_path, *extra):
+    args = [sys.executable, "train_ensemble.py", "--config", "configs/tiny.yaml", "--out-dir", str(tmp_path / "ens"),
+            f"data.prepared_dir={tmp_path / 'prepared'}", *extra]
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NMT_DEBUG": "0", "PYTHONUNBUFFERED": "1"})
+
+
+def test_train_ensemble_trains_seeded_members_at_once_and_scores_their_mean(tmp_path):
+    import data_preparation as dp
+    from scoring import score
+    from translator import Translator
+
+    proc = run_ensemble(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "ens"
+    result = json.loads((out / "results.json").read_text("utf-8"))
+    assert result["threads_per_member"] == max(1, (os.cpu_count() or 1) // 2)
+    assert set(result["tests"]) == {"val", "test"} == set(result["member_tests"]["seed1"])
+    seeds = [yaml.safe_load((out / f"seed{k}" / "config.yaml").read_text("utf-8"))["train"]["seed"] for k in (1, 2)]
+    assert seeds == [1, 2] and "seed2: step 30/30, val loss" in proc.stdout
+    members = [result["member_tests"][f"seed{k}"]["test"]["bleu"] for k in (1, 2)]
+    # the reported score is the mean-probability ensemble's (what translate.py --checkpoint A --checkpoint B gives)
+    prepared = dp.prepare(load_config("configs/tiny.yaml", [f"data.prepared_dir={tmp_path / 'prepared'}"]).data)
+    ensemble = Translator.load_ensemble([out / "seed1", out / "seed2"], device="cpu")
+    hyps = [t.text for t in ensemble.translate(dp.read_raw(prepared, "test", "en"))]
+    assert result["tests"]["test"] == score(hyps, dp.read_raw(prepared, "test", "de"), "de")
+    assert result["tests"]["test"]["bleu"] not in members or members[0] == members[1]
+    stamp = (out / "seed1" / "checkpoint_last.pt").stat().st_mtime_ns
+    again = run_ensemble(tmp_path)  # finished members are not trained again
+    assert again.returncode == 0 and again.stdout.count("not trained again") == 2
+    assert (out / "seed1" / "checkpoint_last.pt").stat().st_mtime_ns == stamp
+    assert json.loads((out / "results.json").read_text("utf-8"))["tests"] == result["tests"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--members", "1"], "--members must be at least 2"),
+    (["train.seed=3"], "train.seed and train.out_dir are set per member"),
+    (["train.init_from=/nonexistent"], "failed (exit 2): error: train.init_from: checkpoint not found"),
+])
+def test_train_ensemble_errors_are_one_line(tmp_path, extra, message):
+    proc = run_ensemble(tmp_path, *extra)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
