@@ -561,10 +561,10 @@ def _cache_key(cfg: DataConfig, files: dict, tokenizer: Path | None = None) -> t
                 "splits": list(files)}
     if cfg.tokenizer == "bpe":
         settings.update(vocab_size=cfg.vocab_size, sample_size=cfg.sample_size)
-    if cfg.bidirectional:  # only when on, so the folders prepared before the option keep their key
-        settings.update(bidirectional=True)
     else:
         settings.update(min_freq=cfg.min_freq, lowercase=cfg.lowercase)
+    if cfg.bidirectional:  # only when on, so the folders prepared before the option keep their key
+        settings.update(bidirectional=True)
     if tokenizer is not None:
         settings.update(tokenizer_sha256=tokenizer_fingerprint(tokenizer))
     cache_file = Path(cfg.prepared_dir) / "input_sha256.json"  # sums of big inputs, by path, size and mtime

@@ -147,6 +147,10 @@ def test_cache_reuse_force_and_cache_key(tmp_path, capsys):
     cfg.train_prefix = write_corpus(tmp_path / "edited", "train", en[:-1] + ["Hello."], de[:-1] + ["Hallo."])
     assert dp.prepare(cfg) != folder  # same settings, other input content
     assert len(list(tmp_path.iterdir())) == 4 and not list(tmp_path.glob("*.tmp*"))
+    bpe = fixture_config(tmp_path / "bpe")
+    folder = dp.prepare(bpe)
+    bpe.min_freq, bpe.lowercase = 1, True  # spacy-only settings: the bpe result is the same
+    assert dp.prepare(bpe) == folder
 
 
 def test_train_filters_blank_lines_and_keeps_valid_intact(tmp_path, capsys):
