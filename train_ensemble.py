@@ -11,8 +11,8 @@ either alone (docs/multi30k_sweeps.md, "A two-model ensemble for De→En").
     python translate.py --checkpoint runs/multi30k_de_en_ensemble/seed1 \
         --checkpoint runs/multi30k_de_en_ensemble/seed2 --reference test_2016_flickr
 
-A member whose run already finished (its results.json exists) is not trained again, so an interrupted command
-can be run again as it was.
+A member whose run already finished (its results.json exists) is not trained again and an interrupted one
+resumes from its last checkpoint, so an interrupted command can be run again as it was.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def train_members(args: argparse.Namespace, runs: list[Path], threads: int, max_
             print(f"{run}: already trained (its results.json exists), not trained again", flush=True)
     for run in todo:
         command = [sys.executable, str(ROOT / "train_transformer.py"), "--config", args.config, *args.overrides,
-                   f"train.seed={run.name.removeprefix('seed')}", f"train.out_dir={run}"]
+                   f"train.seed={run.name.removeprefix('seed')}", f"train.out_dir={run}", *restart(run)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         with open(out / f"{run.name}.log", "wb") as log:
             procs[run] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -85,6 +85,14 @@ def train_members(args: argparse.Namespace, runs: list[Path], threads: int, max_
     finally:
         for proc in procs.values():  # one member failed, or Ctrl-C: stop the others too
             proc.terminate()
+
+
+def restart(run: Path) -> list[str]:
+    """An interrupted member continues from its last checkpoint (the trainer's exact resume); one stopped before
+    its first checkpoint starts over."""
+    if (run / "checkpoint_last.pt").is_file():
+        return ["train.resume=true"]
+    return ["train.overwrite=true"] if run.is_dir() and any(run.iterdir()) else []
 
 
 def report_progress(run: Path, seen: int, max_steps: int) -> int:

@@ -557,6 +557,15 @@ def test_train_ensemble_trains_seeded_members_at_once_and_scores_their_mean(tmp_
     assert again.returncode == 0 and again.stdout.count("not trained again") == 2
     assert (out / "seed1" / "checkpoint_last.pt").stat().st_mtime_ns == stamp
     assert json.loads((out / "results.json").read_text("utf-8"))["tests"] == result["tests"]
+    (out / "seed1" / "results.json").unlink()  # killed after its last checkpoint: resumed there
+    for path in (out / "seed2").glob("checkpoint*.pt"):  # killed before its first checkpoint: started over
+        path.unlink()
+    (out / "seed2" / "results.json").unlink()
+    again = run_ensemble(tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from step 30" in (out / "seed1.log").read_text("utf-8") and "not trained again" not in again.stdout
+    assert "resumed" not in (out / "seed2.log").read_text("utf-8")
+    assert json.loads((out / "results.json").read_text("utf-8"))["tests"] == result["tests"]
 
 
 @pytest.mark.parametrize("extra, message", [
