@@ -563,8 +563,9 @@ def test_train_ensemble_trains_seeded_members_at_once_and_scores_their_mean(tmp_
     (out / "seed2" / "results.json").unlink()
     again = run_ensemble(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from step 30" in (out / "seed1.log").read_text("utf-8") and "not trained again" not in again.stdout
-    assert "resumed" not in (out / "seed2.log").read_text("utf-8")
+    assert "writing the final report from its checkpoints" in (out / "seed1.log").read_text("utf-8")
+    assert "not trained again" not in again.stdout
+    assert "final report from its checkpoints" not in (out / "seed2.log").read_text("utf-8")
     assert json.loads((out / "results.json").read_text("utf-8"))["tests"] == result["tests"]
 
 
