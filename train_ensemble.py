@@ -111,11 +111,10 @@ def score_ensemble(runs: list[Path]) -> dict:
     settings (decode.*, as each member's own report)."""
     tr = Translator.load_ensemble(runs)
     d = tr.cfg.data
-    tests = [Path(p).name for p in d.test_prefixes] if d.dataset == "files" else d.test_splits
-    with contextlib.redirect_stdout(sys.stderr):
-        prepared = dp.prepare(d)  # the members' own prepared folder (cached)
+    with contextlib.redirect_stdout(sys.stderr):  # the members' own prepared folder (cached), as translate.py finds it
+        prepared = dp.prepare(d, tokenizer=tr.tokenizer.folder if tr.cfg.train.init_from else None)
     results = {}
-    for split in [d.valid_split, *tests]:
+    for split in [d.valid_split, *dp.load_meta(prepared)["test_splits"]]:
         hyps = [t.text for t in tr.translate(dp.read_raw(prepared, split, d.src_lang), progress=True)]
         results[split] = score(hyps, dp.read_raw(prepared, split, d.tgt_lang), d.tgt_lang)
         print(f"{split}, the ensemble:\n{format_scores(results[split])}", flush=True)
@@ -128,7 +127,8 @@ def main(argv: list[str]) -> None:
     cfg = load_config(args.config, args.overrides)  # bad values fail here, before any member starts
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dp.prepare(cfg.data)  # once, before the members would each build it
+    if not cfg.train.init_from:  # once, before the members would each build it (fine-tuning: the source's tokenizer)
+        dp.prepare(cfg.data)
     runs = [out / f"seed{k}" for k in range(1, args.members + 1)]
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.members)
     train_members(args, runs, threads, cfg.train.max_steps)
