@@ -223,6 +223,8 @@ def export_ctranslate2(checkpoint, out_dir, quantization: str | None = None, for
     if file.resolve().is_relative_to(out_dir):
         raise UserError(f"{out_dir} holds the checkpoint {file}: export to another folder")
     model, tokenizer, cfg = load_checkpoint(file, "cpu")
+    if model.cfg.norm != "layer":
+        raise UserError(f"{file} uses model.norm={model.cfg.norm!r}; CTranslate2's Transformer has LayerNorm only")
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         make_converter(ct2, model, tokenizer).convert(str(tmp), quantization=ct2_quant, force=True)

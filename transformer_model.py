@@ -23,6 +23,7 @@ from torch import nn
 
 ATTENTION_KINDS = ("mha", "mqa", "gqa", "mla")
 OUTPUT_VOCABS = ("all", "target")
+NORMS = ("layer", "scale")
 
 
 @dataclass
@@ -43,6 +44,7 @@ class ModelConfig:
     pad_id: int = 0
     max_positions: int = 1024  # size of the precomputed sinusoid table; longer inputs compute it on the fly
     norm_first: bool = False  # False = the paper's post-norm LayerNorm(x + Sublayer(x)); True = pre-norm
+    norm: str = "layer"  # layer = LayerNorm (§3.1) | scale = ScaleNorm g * x / ||x|| (Nguyen & Salazar 2019)
     share_embeddings: bool = False  # three-way tying of src/tgt embeddings and output (§3.4); joint vocab
     tie_output: bool = True  # tie the target embedding with the pre-softmax projection (§3.4)
     attention: str = "mha"  # mha | mqa | gqa | mla
@@ -97,6 +99,7 @@ class ModelConfig:
         need(self.kv_latent_dim >= 0 and self.q_latent_dim >= 0, "latent sizes must be >= 0")
         need(self.attention == "mla" or self.kv_latent_dim == self.q_latent_dim == 0,
              "kv_latent_dim / q_latent_dim only apply to attention='mla'")
+        need(self.norm in NORMS, f"norm={self.norm!r}, expected {NORMS}")
         need(self.output_vocab in OUTPUT_VOCABS, f"output_vocab={self.output_vocab!r}, expected {OUTPUT_VOCABS}")
         need(0 <= self.output_size <= self.tgt_vocab_size and (self.output_vocab == "target" or not self.output_size),
              f"output_size={self.output_size} must be within the target vocabulary, and 0 unless output_vocab='target'")
@@ -333,6 +336,24 @@ class Dropout(nn.Dropout):
         return x * (bits >= drop - 32768) * (65536 / (65536 - drop))
 
 
+class ScaleNorm(nn.Module):
+    """ScaleNorm(x) = g * x / ||x|| with one learned scalar g, initialised to sqrt(d_model) (Nguyen & Salazar 2019,
+    "Transformers without Tears" §2.2): LayerNorm without the mean and the per-feature gain and bias."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5):
+        super().__init__()
+        self.g = nn.Parameter(torch.tensor(float(d_model) ** 0.5))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (self.g / x.norm(dim=-1, keepdim=True).clamp_min(self.eps))
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The normalisation layer the config names (model.norm)."""
+    return ScaleNorm(cfg.d_model) if cfg.norm == "scale" else nn.LayerNorm(cfg.d_model)
+
+
 class Residual(nn.Module):
     """Sub-layer: LayerNorm(x + Dropout(Sublayer(x))) (§3.1, §5.4); pre-norm: x + Dropout(Sublayer(LN(x)))."""
 
@@ -341,11 +362,11 @@ class Residual(nn.Module):
         self.norm_first = cfg.norm_first
         self.dropout = Dropout(cfg.dropout)
 
-    def pre(self, x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    def pre(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """The sub-layer input: x itself (post-norm) or LayerNorm(x) (pre-norm)."""
         return norm(x) if self.norm_first else x
 
-    def post(self, x: torch.Tensor, y: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    def post(self, x: torch.Tensor, y: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """Add the dropped-out sub-layer output y to the residual stream x; normalise (post-norm only)."""
         x = x + self.dropout(y)
         return x if self.norm_first else norm(x)
@@ -358,7 +379,7 @@ class EncoderLayer(Residual):
         super().__init__(cfg)
         self.self_attn = Attention(cfg, cross=False)
         self.ff = FeedForward(cfg)
-        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor,
                 need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -376,7 +397,7 @@ class DecoderLayer(Residual):
         self.self_attn = Attention(cfg, cross=False)
         self.cross_attn = Attention(cfg, cross=True)
         self.ff = FeedForward(cfg)
-        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
+        self.norm1, self.norm2, self.norm3 = (make_norm(cfg) for _ in range(3))
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, self_mask: torch.Tensor | None,
                 cross_mask: torch.Tensor, state: dict | None = None,
@@ -417,9 +438,9 @@ class Transformer(nn.Module):
         self.embed_dropout = Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_dec_layers))
-        # Pre-norm leaves the residual stream unnormalised, so each stack ends with one more LayerNorm.
-        self.enc_norm = nn.LayerNorm(d) if cfg.norm_first else nn.Identity()
-        self.dec_norm = nn.LayerNorm(d) if cfg.norm_first else nn.Identity()
+        # Pre-norm leaves the residual stream unnormalised, so each stack ends with one more normalisation.
+        self.enc_norm = make_norm(cfg) if cfg.norm_first else nn.Identity()
+        self.dec_norm = make_norm(cfg) if cfg.norm_first else nn.Identity()
         self.generator = nn.Linear(d, cfg.tgt_vocab_size, bias=False)  # the pre-softmax projection of §3.4
         if cfg.tie_output or cfg.share_embeddings:
             self.generator.weight = self.tgt_embed.weight
