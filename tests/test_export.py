@@ -95,7 +95,8 @@ def random_run(folder: Path, tokenizer, seed: int = 3, **model) -> Path:
         m.generator.weight.mul_(2.0)
         m.generator.weight[dp.EOS_ID].mul_(3.0)
         m.generator.weight[[dp.PAD_ID, dp.BOS_ID]] = -1.0
-        (m.dec_norm if cfg.model.norm_first else m.decoder[-1].norm3).bias.fill_(0.5)
+        if cfg.model.norm == "layer":
+            (m.dec_norm if cfg.model.norm_first else m.decoder[-1].norm3).bias.fill_(0.5)
     tokenizer.save(folder / "tokenizer")
     torch.save({"model": m.state_dict(), "config": config_to_dict(cfg), "step": 0}, folder / "checkpoint_last.pt")
     return folder
@@ -348,6 +349,13 @@ def test_failed_export_leaves_nothing(tokenizer, tmp_path, monkeypatch):
 
     monkeypatch.setattr(export, "build_spec", broken)
     with pytest.raises(RuntimeError, match="disk on fire"):
+        export.export_ctranslate2(run, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_export_refuses_scale_norm(tokenizer, tmp_path):
+    run = random_run(tmp_path / "run", tokenizer, norm="scale", norm_first=True)
+    with pytest.raises(UserError, match="model.norm='scale'; CTranslate2's Transformer has LayerNorm only"):
         export.export_ctranslate2(run, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 

@@ -285,9 +285,9 @@ def test_logits_at_kept_positions_only():
     assert close(kept, model(src, tgt)[keep])
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_cached_decoding_equals_full_pass_and_beam_reorder(variant):
-    model = tiny_model(variant, max_positions=5)  # also decodes past the precomputed table
+@pytest.mark.parametrize("variant,norm", [*((v, "layer") for v in VARIANTS), ("mha", "scale")])
+def test_cached_decoding_equals_full_pass_and_beam_reorder(variant, norm):
+    model = tiny_model(variant, max_positions=5, norm=norm, norm_first=norm == "scale")  # past the table too
     src, tgt = tokens(3, 6, SRC_V), tokens(3, 7, TGT_V, seed=2)
     src[2, 4:] = 0
     memory, src_mask = model.encode(src)
@@ -307,6 +307,24 @@ def test_cached_decoding_equals_full_pass_and_beam_reorder(variant):
         step = model.generator(model.decode(tgt2[:, i:i + 1], memory, src_mask, cache))
         assert close(step[:, 0], full2[:, i])
     assert cache.length == 7
+
+
+def test_scale_norm_is_g_times_the_unit_vector_and_replaces_every_layer_norm():
+    norm = tm.ScaleNorm(16)
+    x = torch.randn(3, 5, 16) * 7
+    y = norm(x)
+    assert close(y.norm(dim=-1), torch.full((3, 5), 4.0))  # g starts at sqrt(d_model)
+    assert close(y, x * 4.0 / x.norm(dim=-1, keepdim=True))
+    assert close(norm(torch.zeros(2, 16)), torch.zeros(2, 16))  # the clamp keeps a zero row finite
+    model = tiny_model(norm="scale", norm_first=True)
+    kinds = {type(m) for m in model.modules()}
+    assert tm.ScaleNorm in kinds and torch.nn.LayerNorm not in kinds
+    assert sum(isinstance(m, tm.ScaleNorm) for m in model.modules()) == 2 * 2 + 2 * 3 + 2  # layers + final norms
+    layer = tiny_model(norm_first=True)
+    assert count_parameters(layer) - count_parameters(model) == (2 * 2 + 2 * 3 + 2) * (2 * 16 - 1)
+    model.train()
+    model(tokens(2, 6, SRC_V), tokens(2, 5, TGT_V, seed=2)).logsumexp(-1).sum().backward()
+    assert all(m.g.grad is not None and m.g.grad.abs() > 0 for m in model.modules() if isinstance(m, tm.ScaleNorm))
 
 
 # ---------------------------------------------------------------- variants and cache size
@@ -431,6 +449,7 @@ def test_all_padding_source_row_gives_no_nan(variant):
     (dict(kv_latent_dim=8), "only apply to attention='mla'"),
     (dict(pad_id=19), "pad_id"),
     (dict(n_dec_layers=0), "layer counts"),
+    (dict(norm="rms"), "norm='rms', expected"),
 ])
 def test_validate_rejects_impossible_configs(bad, message):
     cfg = tiny_cfg(**bad)
