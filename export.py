@@ -10,6 +10,8 @@ How our model maps onto ctranslate2.specs.TransformerSpec (the mapping is exact,
 - embeddings are scaled by sqrt(d_model) (scale_embeddings) and our sinusoid table (interleaved sin/cos, position
   0 first) is written as the position encodings of both stacks: CTranslate2's built-in table is another one;
 - post-norm (norm_first=False) or pre-norm with the final enc_norm/dec_norm as the stacks' layer_norm;
+- ScaleNorm g * x / ||x|| is RMSNorm with every gain g / sqrt(d_model) (||x|| = sqrt(d_model) * rms(x)), its
+  epsilon ~0 as our clamp only acts on an all-zero row;
 - self-attention's qkv_proj rows are [q; k heads; v heads] (Attention.split_kv views kv as (2, K, Dh)), which is
   CTranslate2's fused layout; cross-attention is q_proj plus the fused kv_proj; MQA/GQA set num_heads_kv;
 - MLA has no CTranslate2 layout, so it is folded: K/V = W_up (W_down x + b_down) + b_up is an ordinary linear
@@ -35,12 +37,13 @@ import data_preparation as dp
 from checkpoint import find_checkpoint, load_checkpoint
 from ct2_engine import EXPORT_FILE, FORMAT_VERSION, SPECIAL_TOKENS, require_ctranslate2
 from runtime import UserError, cli_main
-from transformer_model import Attention, Transformer, sinusoid_table
+from transformer_model import Attention, ScaleNorm, Transformer, sinusoid_table
 
 QUANTIZATIONS = {"float32": "float32", "int8": "int8", "int8_float32": "int8_float32", "int8_float16": "int8_float16",
                  "int8_bfloat16": "int8_bfloat16", "int16": "int16", "float16": "float16", "bf16": "bfloat16",
                  "bfloat16": "bfloat16"}  # our names -> CTranslate2's; bf16 is this project's spelling elsewhere
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which the model uses; CTranslate2 would assume 1e-6
+RMS_NORM_EPS = 1e-12  # ScaleNorm as RMSNorm: an epsilon inside the root would shift every row's scale
 
 
 # ---------------------------------------------------------------- weights -> spec
@@ -56,8 +59,11 @@ def _set_linear(spec, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         spec.bias = _np(bias)
 
 
-def _set_norm(spec, norm: torch.nn.LayerNorm) -> None:
-    spec.gamma, spec.beta = _np(norm.weight), _np(norm.bias)
+def _set_norm(spec, norm: torch.nn.Module) -> None:
+    if isinstance(norm, ScaleNorm):
+        spec.gamma = _np(norm.g.detach().expand(norm.d_model) / norm.d_model**0.5)
+    else:
+        spec.gamma, spec.beta = _np(norm.weight), _np(norm.bias)
 
 
 def _fold(up: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,10 +110,11 @@ def build_spec(ct2, model: Transformer, src_vocab: list[str], tgt_vocab: list[st
     cfg = model.cfg
     specs = ct2.specs.transformer_spec
     kv_heads = cfg.num_kv_heads if cfg.num_kv_heads != cfg.n_heads else None
+    rms = cfg.norm == "scale"
     encoder = specs.TransformerEncoderSpec(cfg.n_enc_layers, cfg.n_heads, pre_norm=cfg.norm_first,
-                                           num_heads_kv=kv_heads)
+                                           num_heads_kv=kv_heads, rms_norm=rms)
     decoder = specs.TransformerDecoderSpec(cfg.n_dec_layers, cfg.n_heads, pre_norm=cfg.norm_first,
-                                           num_heads_kv=kv_heads)
+                                           num_heads_kv=kv_heads, rms_norm=rms)
     table = _np(sinusoid_table(cfg.max_positions, cfg.d_model))
     encoder.embeddings[0].weight = _np(model.src_embed.weight)
     encoder.position_encodings.encodings = table
@@ -134,7 +141,7 @@ def build_spec(ct2, model: Transformer, src_vocab: list[str], tgt_vocab: list[st
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = unk, bos, eos
     spec.config.decoder_start_token = bos
     spec.config.add_source_bos = spec.config.add_source_eos = False  # encode_src already ends with eos
-    spec.config.layer_norm_epsilon = LAYER_NORM_EPS
+    spec.config.layer_norm_epsilon = RMS_NORM_EPS if rms else LAYER_NORM_EPS
     return spec
 
 
@@ -223,8 +230,6 @@ def export_ctranslate2(checkpoint, out_dir, quantization: str | None = None, for
     if file.resolve().is_relative_to(out_dir):
         raise UserError(f"{out_dir} holds the checkpoint {file}: export to another folder")
     model, tokenizer, cfg = load_checkpoint(file, "cpu")
-    if model.cfg.norm != "layer":
-        raise UserError(f"{file} uses model.norm={model.cfg.norm!r}; CTranslate2's Transformer has LayerNorm only")
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         make_converter(ct2, model, tokenizer).convert(str(tmp), quantization=ct2_quant, force=True)

@@ -343,7 +343,7 @@ class ScaleNorm(nn.Module):
     def __init__(self, d_model: int, eps: float = 1e-5):
         super().__init__()
         self.g = nn.Parameter(torch.tensor(float(d_model) ** 0.5))
-        self.eps = eps
+        self.d_model, self.eps = d_model, eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * (self.g / x.norm(dim=-1, keepdim=True).clamp_min(self.eps))
