@@ -70,7 +70,8 @@ def tokenizer(tmp_path_factory):
 def random_run(folder: Path, tokenizer, seed: int = 3, **model) -> Path:
     """A run directory holding a seeded random model with nonzero biases and peaked, varied-length outputs.
 
-    pad and bos get a logit of about -16 (their output rows are -1 and the final LayerNorm's bias is 0.5): ours
+    pad and bos get a logit of about -16 (their output rows are -1 and the final LayerNorm's bias is 0.5; with
+    ScaleNorm, the last feed-forward's bias of 0.5 tilts the normalised output the same way): ours
     masks them after the softmax, CTranslate2 before it, which agree only when their probability is ~0, as in
     a trained model."""
     fields = dict(src_vocab_size=tokenizer.src_vocab_size, tgt_vocab_size=tokenizer.tgt_vocab_size, d_model=32,
@@ -99,6 +100,8 @@ def random_run(folder: Path, tokenizer, seed: int = 3, **model) -> Path:
         m.generator.weight[[dp.PAD_ID, dp.BOS_ID]] = -1.0
         if cfg.model.norm == "layer":
             (m.dec_norm if cfg.model.norm_first else m.decoder[-1].norm3).bias.fill_(0.5)
+        else:  # ScaleNorm has no bias: an offset along the all-ones direction before the last norm does its job
+            m.decoder[-1].ff.w2.bias.fill_(0.5)
     tokenizer.save(folder / "tokenizer")
     torch.save({"model": m.state_dict(), "config": config_to_dict(cfg), "step": 0}, folder / "checkpoint_last.pt")
     return folder
@@ -113,7 +116,6 @@ VARIANTS = {
     "mla pre-norm": dict(attention="mla", kv_latent_dim=8, norm_first=True, share_embeddings=True),
     "target output vocabulary": dict(norm_first=True, share_embeddings=True, output_vocab="target"),
     "scale norm pre-norm": dict(norm="scale", norm_first=True, share_embeddings=True),
-    "scale norm post-norm": dict(norm="scale", tie_output=False),
 }
 
 
@@ -139,10 +141,8 @@ def test_variant_log_probs_and_outputs_match(variant, tokenizer, tmp_path):
                                    nbest=beam, greedy_ok=False)
         found = engine.translate(SOURCES, beam=beam, nbest=beam, len_penalty=alpha, max_len_a=1.0, max_len_b=50)
         for x, y, n in zip(expected, found, limit, strict=True):
-            if len(x[0][0]) < n:  # ended by eos: the same best hypothesis and score
+            if beam == 1 or len(x[0][0]) < n:
                 assert y[0][0] == tok.decode_tgt(x[0][0]) and y[0][1] == pytest.approx(x[0][1], abs=1e-4)
-            elif beam == 1:  # greedy stopped by our length limit: CTranslate2 goes on along the same path
-                assert y[0][0].startswith(tok.decode_tgt(x[0][0]))
 
 
 def test_beam_rules_on_many_sentences(tokenizer, tmp_path):
