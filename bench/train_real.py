@@ -116,8 +116,7 @@ class StepTrainer:
         self.name, self.precision, self.naive, self.device = name, precision, naive, device
         self.model = model.to(device).train()
         self.forward = torch.compile(self.model) if compile_model else self.model
-        fused = {"fused": True} if device.type == "cuda" else {}
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, **fused)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
         self.n_steps = 0
         self.times: list[float] = []
         self.tokens: list[int] = []
