@@ -105,6 +105,10 @@ def _set_ffn(spec, layer, norm: torch.nn.LayerNorm) -> None:
     _set_norm(spec.layer_norm, norm)
 
 
+def _unit_rows(w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(w, dim=-1)
+
+
 def build_spec(ct2, model: Transformer, src_vocab: list[str], tgt_vocab: list[str]):
     """A ctranslate2.specs.TransformerSpec holding the model's weights and vocabularies."""
     cfg = model.cfg
@@ -116,14 +120,15 @@ def build_spec(ct2, model: Transformer, src_vocab: list[str], tgt_vocab: list[st
     decoder = specs.TransformerDecoderSpec(cfg.n_dec_layers, cfg.n_heads, pre_norm=cfg.norm_first,
                                            num_heads_kv=kv_heads, rms_norm=rms)
     table = _np(sinusoid_table(cfg.max_positions, cfg.d_model))
-    encoder.embeddings[0].weight = _np(model.src_embed.weight)
+    rows = _unit_rows if cfg.fix_norm else (lambda w: w)  # FixNorm baked in: CTranslate2 has no such option
+    encoder.embeddings[0].weight = _np(rows(model.src_embed.weight))
     encoder.position_encodings.encodings = table
     for spec, layer in zip(encoder.layer, model.encoder, strict=True):
         _set_attention(spec.self_attention, layer.self_attn, layer.norm1)
         _set_ffn(spec.ffn, layer, layer.norm2)
-    decoder.embeddings.weight = _np(model.tgt_embed.weight)
+    decoder.embeddings.weight = _np(rows(model.tgt_embed.weight))
     decoder.position_encodings.encodings = table
-    decoder.projection.weight = _np(model.generator.weight)
+    decoder.projection.weight = _np(rows(model.generator.weight))
     if model.output_ids is not None:  # tokens outside the output vocabulary: our -inf logit, as a bias
         bias = torch.full((cfg.tgt_vocab_size,), -1e9)  # (V,) finite: int8/fp16 conversions keep it a number
         decoder.projection.bias = _np(bias.index_fill(0, model.output_ids, 0.0))

@@ -45,6 +45,7 @@ class ModelConfig:
     max_positions: int = 1024  # size of the precomputed sinusoid table; longer inputs compute it on the fly
     norm_first: bool = False  # False = the paper's post-norm LayerNorm(x + Sublayer(x)); True = pre-norm
     norm: str = "layer"  # layer = LayerNorm (§3.1) | scale = ScaleNorm g * x / ||x|| (Nguyen & Salazar 2019)
+    fix_norm: bool = False  # FixNorm (Nguyen & Chiang 2018): embedding and output rows used at unit length
     share_embeddings: bool = False  # three-way tying of src/tgt embeddings and output (§3.4); joint vocab
     tie_output: bool = True  # tie the target embedding with the pre-softmax projection (§3.4)
     attention: str = "mha"  # mha | mqa | gqa | mla
@@ -473,7 +474,10 @@ class Transformer(nn.Module):
 
     def embed(self, tokens: torch.Tensor, table: nn.Embedding, offset: int = 0) -> torch.Tensor:
         """Embedding * sqrt(d_model) (§3.4) + positional encoding (§3.5), dropout (§5.4): (B,T) -> (B,T,D)."""
-        x = table(tokens) * math.sqrt(self.cfg.d_model)  # (B,T,D)
+        x = table(tokens)  # (B,T,D)
+        if self.cfg.fix_norm:  # rare words' rows would otherwise stay short and lose to frequent ones
+            x = F.normalize(x, dim=-1)
+        x = x * math.sqrt(self.cfg.d_model)
         return self.embed_dropout(x + self.positions(tokens.size(1), offset))
 
     def _encode(self, src: torch.Tensor, need_weights: bool) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -526,16 +530,20 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The pre-softmax projection of §3.4: (...,D) -> (...,V); tokens outside the output vocabulary get -inf."""
-        if self.output_ids is None:
-            return self.generator(h)
         z = F.linear(h, self.output_weight())  # (...,Vo)
+        if self.output_ids is None:
+            return z
         full = z.new_full((*z.shape[:-1], self.cfg.tgt_vocab_size), float("-inf"))  # (...,V)
         return full.index_copy(-1, self.output_ids, z)
 
     def output_weight(self) -> torch.Tensor:
-        """The projection's rows for the output vocabulary: (V,D), or (Vo,D) with output_vocab 'target'."""
+        """The projection's rows for the output vocabulary: (V,D), or (Vo,D) with output_vocab 'target'.
+
+        Under FixNorm each row has unit length, so a logit is |h| cos(h, w): the final norm's gain sets the radius r.
+        """
         w = self.generator.weight  # (V,D)
-        return w if self.output_ids is None else w.index_select(0, self.output_ids)
+        w = w if self.output_ids is None else w.index_select(0, self.output_ids)
+        return F.normalize(w, dim=-1) if self.cfg.fix_norm else w
 
     def output_rows(self, tokens: torch.Tensor, unk_id: int) -> torch.Tensor:
         """Target token ids -> their rows in output_weight() (the same ids with output_vocab 'all'). A token the

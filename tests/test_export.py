@@ -102,6 +102,9 @@ def random_run(folder: Path, tokenizer, seed: int = 3, **model) -> Path:
             (m.dec_norm if cfg.model.norm_first else m.decoder[-1].norm3).bias.fill_(0.5)
         else:  # ScaleNorm has no bias: an offset along the all-ones direction before the last norm does its job
             m.decoder[-1].ff.w2.bias.fill_(0.5)
+        if cfg.model.fix_norm:  # unit rows undo the scaling above: a wider final norm makes the logits peaked instead
+            m.dec_norm.weight.mul_(6.0)
+            m.dec_norm.bias.mul_(6.0)
     tokenizer.save(folder / "tokenizer")
     torch.save({"model": m.state_dict(), "config": config_to_dict(cfg), "step": 0}, folder / "checkpoint_last.pt")
     return folder
@@ -116,6 +119,7 @@ VARIANTS = {
     "mla pre-norm": dict(attention="mla", kv_latent_dim=8, norm_first=True, share_embeddings=True),
     "target output vocabulary": dict(norm_first=True, share_embeddings=True, output_vocab="target"),
     "scale norm pre-norm": dict(norm="scale", norm_first=True, share_embeddings=True),
+    "fix norm target output vocabulary": dict(fix_norm=True, norm_first=True, share_embeddings=True, output_vocab="target"),
 }
 
 

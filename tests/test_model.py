@@ -285,26 +285,27 @@ def test_logits_at_kept_positions_only():
     assert close(kept, model(src, tgt)[keep])
 
 
-@pytest.mark.parametrize("variant,norm", [*((v, "layer") for v in VARIANTS), ("mha", "scale")])
+@pytest.mark.parametrize("variant,norm", [*((v, "layer") for v in VARIANTS), ("mha", "scale"), ("mha", "fix")])
 def test_cached_decoding_equals_full_pass_and_beam_reorder(variant, norm):
-    model = tiny_model(variant, max_positions=5, norm=norm, norm_first=norm == "scale")  # past the table too
+    kind = {"fix": dict(fix_norm=True, norm_first=True), "scale": dict(norm="scale", norm_first=True)}
+    model = tiny_model(variant, max_positions=5, **kind.get(norm, {}))  # max_positions: past the table too
     src, tgt = tokens(3, 6, SRC_V), tokens(3, 7, TGT_V, seed=2)
     src[2, 4:] = 0
     memory, src_mask = model.encode(src)
-    full = model.generator(model.decode(tgt, memory, src_mask))
+    full = model.logits(model.decode(tgt, memory, src_mask))
     cache = model.new_cache()
-    steps = [model.generator(model.decode(tgt[:, :2], memory, src_mask, cache))]  # a 2-token prefix first
+    steps = [model.logits(model.decode(tgt[:, :2], memory, src_mask, cache))]  # a 2-token prefix first
     for i in range(2, 4):
-        steps.append(model.generator(model.decode(tgt[:, i:i + 1], memory, src_mask, cache)))
+        steps.append(model.logits(model.decode(tgt[:, i:i + 1], memory, src_mask, cache)))
     assert cache.length == 4
     assert close(torch.cat(steps, dim=1), full[:, :4])
     index = torch.tensor([2, 0, 0])  # beam search keeps hypotheses 2, 0 and 0 again
     cache.reorder(index)
     memory, src_mask = memory[index], src_mask[index]
     tgt2 = torch.cat([tgt[index, :4], tgt[:, 4:]], dim=1)
-    full2 = model.generator(model.decode(tgt2, memory, src_mask))
+    full2 = model.logits(model.decode(tgt2, memory, src_mask))
     for i in range(4, 7):
-        step = model.generator(model.decode(tgt2[:, i:i + 1], memory, src_mask, cache))
+        step = model.logits(model.decode(tgt2[:, i:i + 1], memory, src_mask, cache))
         assert close(step[:, 0], full2[:, i])
     assert cache.length == 7
 
@@ -325,6 +326,27 @@ def test_scale_norm_is_g_times_the_unit_vector_and_replaces_every_layer_norm():
     model.train()
     model(tokens(2, 6, SRC_V), tokens(2, 5, TGT_V, seed=2)).logsumexp(-1).sum().backward()
     assert all(m.g.grad is not None and m.g.grad.abs() > 0 for m in model.modules() if isinstance(m, tm.ScaleNorm))
+
+
+def test_fix_norm_uses_unit_rows_so_a_row_s_length_changes_nothing():
+    """FixNorm (Nguyen & Chiang 2018): the embedding and the output projection see each row at unit length."""
+    src, tgt = tokens(3, 6, SRC_V), tokens(3, 5, TGT_V, seed=2)
+    for fix in (True, False):
+        model = tiny_model(fix_norm=fix, norm_first=True)
+        before = model(src, tgt)
+        with torch.no_grad():  # every row its own length, in both tables (the target one is the output's too)
+            model.src_embed.weight.mul_(torch.rand(SRC_V, 1) * 3 + 0.2)
+            model.tgt_embed.weight.mul_(torch.rand(TGT_V, 1) * 3 + 0.2)
+        assert close(model(src, tgt), before, atol=1e-4) == fix
+    lengths = model.output_weight().norm(dim=-1)
+    assert not close(lengths[1:], torch.ones(TGT_V - 1), atol=1e-3)  # the last model has fix_norm=False
+    model = tiny_model(fix_norm=True, norm_first=True, output_vocab="target", output_size=9)
+    model.output_ids.copy_(torch.arange(1, 10))
+    assert close(model.output_weight().norm(dim=-1), torch.ones(9))
+    model.train()
+    model(src, tgt).log_softmax(-1)[..., 1:10].sum().backward()
+    w, g = model.tgt_embed.weight, model.tgt_embed.weight.grad  # a unit row's gradient is orthogonal to the row
+    assert g.abs().sum() > 0 and close((w * g).sum(-1), torch.zeros(TGT_V))
 
 
 # ---------------------------------------------------------------- variants and cache size
