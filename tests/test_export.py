@@ -119,7 +119,7 @@ VARIANTS = {
     "mla pre-norm": dict(attention="mla", kv_latent_dim=8, norm_first=True, share_embeddings=True),
     "target output vocabulary": dict(norm_first=True, share_embeddings=True, output_vocab="target"),
     "scale norm pre-norm": dict(norm="scale", norm_first=True, share_embeddings=True),
-    "fix norm target output vocabulary": dict(fix_norm=True, norm_first=True, share_embeddings=True, output_vocab="target"),
+    "fix norm target vocab": dict(fix_norm=True, norm_first=True, share_embeddings=True, output_vocab="target"),
 }
 
 
