@@ -105,10 +105,6 @@ def _set_ffn(spec, layer, norm: torch.nn.LayerNorm) -> None:
     _set_norm(spec.layer_norm, norm)
 
 
-def _unit_rows(w: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.normalize(w, dim=-1)
-
-
 def build_spec(ct2, model: Transformer, src_vocab: list[str], tgt_vocab: list[str]):
     """A ctranslate2.specs.TransformerSpec holding the model's weights and vocabularies."""
     cfg = model.cfg
@@ -120,7 +116,10 @@ def build_spec(ct2, model: Transformer, src_vocab: list[str], tgt_vocab: list[st
     decoder = specs.TransformerDecoderSpec(cfg.n_dec_layers, cfg.n_heads, pre_norm=cfg.norm_first,
                                            num_heads_kv=kv_heads, rms_norm=rms)
     table = _np(sinusoid_table(cfg.max_positions, cfg.d_model))
-    rows = _unit_rows if cfg.fix_norm else (lambda w: w)  # FixNorm baked in: CTranslate2 has no such option
+
+    def rows(w: torch.Tensor) -> torch.Tensor:  # FixNorm baked in: CTranslate2 has no such option
+        return torch.nn.functional.normalize(w, dim=-1) if cfg.fix_norm else w
+
     encoder.embeddings[0].weight = _np(rows(model.src_embed.weight))
     encoder.position_encodings.encodings = table
     for spec, layer in zip(encoder.layer, model.encoder, strict=True):
