@@ -1060,7 +1060,7 @@ def main(argv: list[str] | None = None) -> Path:
         epilog="examples:\n  python data_preparation.py --config configs/multi30k_en_de.yaml\n"
         "  python data_preparation.py --config configs/multi30k_en_de.yaml data.tokenizer=spacy --force\n\n"
         "--debug shows tracebacks; NMT_DOWNLOAD_URL_BASE=URL fetches Multi30k from a mirror (file:// works).")
-    parser.add_argument("--config", required=True, help="YAML config: its data section, and train.max_tokens")
+    parser.add_argument("--config", required=True, help="YAML config: its data section; train.max_tokens, pad_multiple")
     parser.add_argument("--force", action="store_true", help="rebuild even if a matching folder exists")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -1069,9 +1069,11 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = load_config(args.config, args.overrides)
     folder = prepare(cfg.data, force=args.force)
     train = load_split(folder, "train")
-    max_tokens = cfg.train.max_tokens
-    sampler = TokenBatchSampler(train.src_lengths, train.tgt_lengths, max_tokens, seed=cfg.train.seed)
-    print(f"train: {len(sampler)} batches per epoch at train.max_tokens={max_tokens}")
+    t = cfg.train  # the trainer's own batching: padding to pad_multiple counts against max_tokens
+    sampler = TokenBatchSampler(train.src_lengths, train.tgt_lengths, t.max_tokens, seed=t.seed,
+                                pad_multiple=t.pad_multiple)
+    print(f"train: {len(sampler)} batches per epoch at train.max_tokens={t.max_tokens}, "
+          f"train.pad_multiple={t.pad_multiple}")
     return folder
 
 

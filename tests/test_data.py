@@ -530,7 +530,7 @@ def cli_runs(tmp_path_factory):
     good = write_config(tmp / "good.yaml", fixture_data(tmp / "p"))
     missing = write_config(tmp / "m.yaml", {"raw_dir": str(tmp / "missing"), "prepared_dir": str(tmp / "p")})
     mirror = (tmp / "offline-mirror").as_uri()  # NMT_DOWNLOAD_URL_BASE: fails at once, like no network
-    cases = {"ok": (good, ["--force", "data.max_len=100"], {}),
+    cases = {"ok": (good, ["--force", "data.max_len=100", "train.max_tokens=40", "train.pad_multiple=1"], {}),
              "missing": (missing, [], {"NMT_DOWNLOAD_URL_BASE": mirror, "MULTI30K_DIR": ""}),
              "mismatch": (write_config(tmp / "bad.yaml", fixture_data(tmp / "p", valid_prefix=val)), [], {}),
              "dataset": (good, ["data.dataset=wmt99"], {}),
@@ -547,6 +547,16 @@ def test_cli_prepares_with_overrides_and_force(cli_runs):
     assert ok.returncode == 0, ok.stderr
     assert "prepared files en-de (bpe, joint vocabulary" in ok.stdout and "batches per epoch" in ok.stdout
     assert "train: 40 lines" in ok.stdout and "longer than 100 tokens" in ok.stdout
+
+
+def test_cli_counts_the_batches_the_trainer_makes(cli_runs):
+    """The count printed is the trainer's: its max_tokens with its pad_multiple (not the sampler's default of 8)."""
+    from data_preparation import TokenBatchSampler, load_split
+
+    train = load_split(next((cli_runs["tmp"] / "p").iterdir()), "train")
+    count = {m: len(TokenBatchSampler(train.src_lengths, train.tgt_lengths, 40, pad_multiple=m)) for m in (1, 8)}
+    assert count[1] != count[8]  # the fixture tells the two apart
+    assert f"train: {count[1]} batches per epoch at train.max_tokens=40, train.pad_multiple=1" in cli_runs["ok"].stdout
 
 
 def test_cli_missing_multi30k_without_network(cli_runs):
