@@ -70,7 +70,7 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # > 0: AdamW decay of the weight matrices and embeddings (not gains or biases)
     label_smoothing: float = 0.1
     rdrop_alpha: float = 0.0  # > 0: R-Drop (Liang et al. 2021), each batch twice + alpha * symmetric KL; 2x compute
     bpe_dropout: float = 0.0  # > 0: BPE-dropout (Provilkov et al. 2020), training pairs re-cut each epoch (bpe only)

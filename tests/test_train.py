@@ -13,10 +13,10 @@ import torch.nn.functional as F
 import yaml
 
 from checkpoint import average_checkpoints, read_checkpoint
-from config import load_config
+from config import TrainConfig, load_config
 from loss import ROWS_PER_PASS, TranslationLoss, label_smoothed_nll, projected_label_smoothed_nll, projected_rdrop_loss
 from runtime import UserError
-from train_transformer import cooldown_factor, learning_rate
+from train_transformer import build_optimizer, cooldown_factor, learning_rate
 from transformer_model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +66,27 @@ def test_cooldown_in_the_trainer(tmp_path):
     # the lr of step s is set before it, when (s - 1) of 30 steps are done
     assert lrs[15] == pytest.approx(learning_rate(15, d, w, f))
     assert lrs[30] == pytest.approx(learning_rate(30, d, w, f) * (1 - 29 / 30) / 0.5)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_weight_decay_is_decoupled_and_spares_gains_and_biases(weight_decay):
+    """AdamW (Loshchilov & Hutter 2019): with a zero gradient a step shrinks each weight matrix and the embedding
+    table by exactly lr * weight_decay and leaves gains and biases alone; L2 in the gradient (Adam's coupled
+    weight_decay) would instead move every weight, 1-D ones included, by about lr."""
+    model = Transformer(ModelConfig(src_vocab_size=23, tgt_vocab_size=23, d_model=16, n_heads=4, n_enc_layers=1,
+                                    n_dec_layers=1, d_ff=32))
+    optimizer = build_optimizer(model, TrainConfig(weight_decay=weight_decay))
+    for group in optimizer.param_groups:
+        group["lr"] = 0.01
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    shapes = {p.dim() >= 2 for p in model.parameters()}
+    assert shapes == {True, False}
+    for name, p in model.named_parameters():
+        factor = 1 - 0.01 * weight_decay if p.dim() >= 2 else 1.0
+        torch.testing.assert_close(p.detach(), before[name] * factor, rtol=1e-6, atol=0, msg=name)
 
 
 def test_label_smoothing_closed_form():
@@ -338,12 +359,12 @@ def test_tiny_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bpe_dropout", ["0.0", "0.1"])
-def test_resume_equals_uninterrupted(tmp_path, bpe_dropout):
+@pytest.mark.parametrize("bpe_dropout,weight_decay", [("0.0", "0.0"), ("0.1", "0.0"), ("0.0", "0.1")])
+def test_resume_equals_uninterrupted(tmp_path, bpe_dropout, weight_decay):
     # pad_multiple 1, the CPU recipes' setting: the resumed run must rebuild the same batch boundaries; with
     # BPE-dropout (and the target output vocabulary it widens) also the same segmentation of its epoch
     common = ["train.precision=fp32", "train.eval_every=1000", "train.average_last=0", "train.pad_multiple=1",
-              f"train.bpe_dropout={bpe_dropout}", "model.output_vocab=target"]
+              f"train.bpe_dropout={bpe_dropout}", f"train.weight_decay={weight_decay}", "model.output_vocab=target"]
     run_train(tiny_args(tmp_path / "a", *common, "train.max_steps=24"))
     run_train(tiny_args(tmp_path / "b", *common, "train.max_steps=11"))
     run_train(tiny_args(tmp_path / "b", *common, "train.max_steps=24", "train.resume=true"))
