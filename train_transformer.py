@@ -180,11 +180,14 @@ class Meter:
 
 class StopSignals:
     """SIGINT/SIGTERM in the training loop: finish the step, save checkpoint_last.pt, exit 128 + signal number.
-    A second signal, or one outside the loop (checkpoint_last.pt is complete then), exits at once."""
+    A second signal, or one outside the loop (checkpoint_last.pt is complete then), exits at once.
+    received: the first signal this process got (set by the handler at any moment); agreed: the one every rank
+    stops for, set by the loop at the step where all ranks stop (under DDP, another rank's signal)."""
 
     def __init__(self, log, last_good):
         self.log, self.last_good = log, last_good
         self.received: int | None = None
+        self.agreed: int | None = None
         self.in_loop = False
         self.previous: dict[int, object] = {}
 
@@ -229,11 +232,12 @@ class SkippedUpdates:
 def agree_on_clock(train_seconds: float, master: bool, received: int | None,
                    device: torch.device) -> tuple[float, int | None]:
     """Under DDP every rank takes rank 0's training clock (the same cooldown lr, the same last step) and stops at
-    this step if any rank received SIGINT/SIGTERM: returns (rank 0's seconds, a received signal number or None)."""
-    # max over ranks of (rank 0's clock, 0, ...) is rank 0's clock; of the signal numbers, any one
+    this step if any rank received SIGINT/SIGTERM: returns (rank 0's seconds, the largest signal number received
+    on any rank or None), the same on every rank."""
+    # max over ranks of (rank 0's clock, 0, ...) is rank 0's clock
     state = torch.tensor([train_seconds if master else 0.0, received or 0], dtype=torch.float64, device=device)
     dist.all_reduce(state, op=dist.ReduceOp.MAX)
-    return float(state[0]), (received if received is not None else (int(state[1]) or None))
+    return float(state[0]), int(state[1]) or None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -417,9 +421,11 @@ class Trainer:
                 loss, ntok = self.train_step(group)
                 now = time.perf_counter()
                 self.train_seconds += now - t0
+                # read once: a signal that arrives after this step's agreement must wait for the next step's, or
+                # this rank would stop alone while the others wait for it in their next all-reduce
+                signum = self.signals.received
                 if self.world > 1:
-                    self.train_seconds, self.signals.received = agree_on_clock(self.train_seconds, self.master,
-                                                                               self.signals.received, self.device)
+                    self.train_seconds, signum = agree_on_clock(self.train_seconds, self.master, signum, self.device)
                 t0 = now
                 meter.tokens += ntok
                 out_of_time = t.max_minutes and self.train_seconds >= 60 * t.max_minutes
@@ -436,11 +442,12 @@ class Trainer:
                 if out_of_time:
                     self.log(f"reached train.max_minutes={t.max_minutes:g}")
                     break
-                if self.signals.received is not None:
+                if signum is not None:
+                    self.signals.agreed = signum
                     self.save("checkpoint_last.pt", full=True)
-                    self.log(f"{signal.Signals(self.signals.received).name} received: saved checkpoint_last.pt at "
-                             f"step {self.step}; continue with train.resume=true (--resume)")
-                    raise SystemExit(128 + self.signals.received)
+                    self.log(f"{signal.Signals(signum).name} received: saved checkpoint_last.pt at step {self.step}; "
+                             f"continue with train.resume=true (--resume)")
+                    raise SystemExit(128 + signum)
             self.save("checkpoint_last.pt", full=True)
         finally:
             self.signals.in_loop = False
@@ -788,7 +795,7 @@ def main(argv: list[str]) -> None:
             trainer.train()
             leave_group(world)
         except SystemExit:
-            if trainer is not None and trainer.signals.received is not None:
+            if trainer is not None and trainer.signals.agreed is not None:
                 leave_group(world)  # every rank stopped at the same step (agree_on_clock) and rank 0 has saved
             raise
         except RuntimeError as e:
