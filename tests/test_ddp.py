@@ -106,6 +106,32 @@ def test_setup_error_on_every_rank_is_reported_once(tmp_path):
     assert root_cause_rank(proc.stderr) == 0, proc.stderr[-3000:]
 
 
+def start_job(run: Path, prepared: Path, eval_every: int, env: dict = ENV) -> subprocess.Popen:
+    """A 2-process torchrun of the tiny config with no end in sight, returned once training is under way (past
+    its first evaluation: checkpoint_last.pt exists). The caller ends it, and calls kill_job in a finally."""
+    cmd = [*TORCHRUN, "train_transformer.py", "--config", "configs/tiny.yaml", f"train.out_dir={run}",
+           f"data.prepared_dir={prepared}", "train.max_steps=100000", f"train.eval_every={eval_every}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "checkpoint_last.pt").exists():
+        if time.time() > deadline or proc.poll() is not None:
+            kill_job(proc, run)
+            raise AssertionError("training did not start")
+        time.sleep(0.2)
+    return proc
+
+
+def signal_rank_1(proc: subprocess.Popen, run: Path, signum: int, timeout: float) -> str:
+    """Sends signum to rank 1 of the job alone; returns the job's stderr once it has ended (killed after timeout)."""
+    try:
+        pid = rank_pid(run, 1)
+        assert pid is not None
+        os.kill(pid, signum)
+        return proc.communicate(timeout=timeout)[1]
+    finally:
+        kill_job(proc, run)
+
+
 def kill_job(proc: subprocess.Popen, run: Path) -> None:
     """SIGKILL to torchrun and to its ranks (each in a session of its own), so that a hung job leaves no process
     behind to slow the rest of the suite."""
@@ -135,20 +161,8 @@ def test_killed_rank_ends_the_job_with_one_line(tmp_path):
     """SIGKILL one rank mid-training: the job ends non-zero within the timeout, rank 0 says in one line that it
     lost the other process, and no Python traceback of ours is printed."""
     run = tmp_path / "run"
-    cmd = [*TORCHRUN, "train_transformer.py", "--config", "configs/tiny.yaml", f"train.out_dir={run}",
-           f"data.prepared_dir={tmp_path / 'prepared'}", "train.max_steps=100000", "train.eval_every=20"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        while not (run / "checkpoint_last.pt").exists():  # training is under way, past the first evaluation
-            assert time.time() < deadline and proc.poll() is None, "training did not start"
-            time.sleep(0.2)
-        pid = rank_pid(run, 1)
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        kill_job(proc, run)
+    proc = start_job(run, tmp_path / "prepared", eval_every=20)
+    err = signal_rank_1(proc, run, signal.SIGKILL, timeout=120)
     assert proc.returncode != 0
     errors = [line for line in err.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and "lost contact with the other training processes" in errors[0], err[-3000:]
@@ -162,14 +176,8 @@ def test_sigterm_stops_every_rank_at_the_same_step_and_resumes(tmp_path):
     finalize the interpreter (the resumed run's rank 1 once aborted there, in CI)."""
     run, prepared = tmp_path / "run", tmp_path / "prepared"
     env = finalization_probe(tmp_path / "probe")
-    cmd = [*TORCHRUN, "train_transformer.py", "--config", "configs/tiny.yaml", f"train.out_dir={run}",
-           f"data.prepared_dir={prepared}", "train.max_steps=100000", "train.eval_every=20"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_job(run, prepared, eval_every=20, env=env)
     try:
-        deadline = time.time() + 120
-        while not (run / "checkpoint_last.pt").exists():
-            assert time.time() < deadline and proc.poll() is None, "training did not start"
-            time.sleep(0.2)
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
@@ -189,25 +197,14 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """SIGTERM to rank 1 alone, three times (signals reach the ranks at different moments: a scheduler signals
     each process, torchrun one after the other): the ranks stop together at the step they agreed on, rank 0
     saves it, the job ends. Before, a signal that reached rank 1 after that step's agreement (here, most often
-    while rank 0 evaluates, every step) stopped rank 1 alone and rank 0 waited in its next all-reduce for good:
-    1 of 3 such runs hung, and torchrun's SIGTERM once timed out in CI the same way with no checkpoint saved."""
+    while rank 0 evaluates, every step) stopped rank 1 alone and rank 0 waited in its next all-reduce for good
+    (this test hung each of the 6 times it ran against that code), and torchrun's SIGTERM once timed out in CI
+    the same way, with no checkpoint saved."""
     for i in range(3):
         run = tmp_path / f"run{i}"
-        cmd = [*TORCHRUN, "train_transformer.py", "--config", "configs/tiny.yaml", f"train.out_dir={run}",
-               f"data.prepared_dir={tmp_path / 'prepared'}", "train.max_steps=100000", "train.eval_every=1"]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.time() + 120
-            while not (run / "checkpoint_last.pt").exists():
-                assert time.time() < deadline and proc.poll() is None, "training did not start"
-                time.sleep(0.2)
-            time.sleep(0.5)
-            pid = rank_pid(run, 1)
-            assert pid is not None
-            os.kill(pid, signal.SIGTERM)
-            _, err = proc.communicate(timeout=60)
-        finally:
-            kill_job(proc, run)
+        proc = start_job(run, tmp_path / "prepared", eval_every=1)
+        time.sleep(0.5)
+        err = signal_rank_1(proc, run, signal.SIGTERM, timeout=60)
         assert proc.returncode != 0 and not OUR_TRACEBACK.search(err), err[-3000:]
         saved = re.findall(r"SIGTERM received: saved checkpoint_last.pt at step (\d+)", err)
         assert len(saved) == 1, err[-3000:]
