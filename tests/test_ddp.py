@@ -136,9 +136,10 @@ def kill_job(proc: subprocess.Popen, run: Path) -> None:
     """SIGKILL to torchrun and to its ranks (each in a session of its own), so that a hung job leaves no process
     behind to slow the rest of the suite."""
     proc.kill()
-    for local_rank in (0, 1):
-        with contextlib.suppress(ProcessLookupError, TypeError):
-            os.kill(rank_pid(run, local_rank), signal.SIGKILL)
+    for pid in (rank_pid(run, 0), rank_pid(run, 1)):
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # it may end between the two lines
+                os.kill(pid, signal.SIGKILL)
 
 
 def rank_pid(run: Path, local_rank: int) -> int | None:
