@@ -108,6 +108,9 @@ def _set_ffn(spec, layer, norm: torch.nn.LayerNorm) -> None:
 def build_spec(ct2, model: Transformer, src_vocab: list[str], tgt_vocab: list[str]):
     """A ctranslate2.specs.TransformerSpec holding the model's weights and vocabularies."""
     cfg = model.cfg
+    if cfg.qk_norm:
+        raise UserError("model.qk_norm: CTranslate2's Transformer has no QKNorm (scores g cos(q, k)); "
+                        "translate this model with translate.py")
     specs = ct2.specs.transformer_spec
     kv_heads = cfg.num_kv_heads if cfg.num_kv_heads != cfg.n_heads else None
     rms = cfg.norm == "scale"

@@ -46,6 +46,7 @@ class ModelConfig:
     norm_first: bool = False  # False = the paper's post-norm LayerNorm(x + Sublayer(x)); True = pre-norm
     norm: str = "layer"  # layer = LayerNorm (§3.1) | scale = ScaleNorm g * x / ||x|| (Nguyen & Salazar 2019)
     fix_norm: bool = False  # FixNorm (Nguyen & Chiang 2018): embedding and output rows used at unit length
+    qk_norm: float = 0.0  # QKNorm (Henry et al. 2020) when > 0: scores = g cos(q, k), g learned from this value
     share_embeddings: bool = False  # three-way tying of src/tgt embeddings and output (§3.4); joint vocab
     tie_output: bool = True  # tie the target embedding with the pre-softmax projection (§3.4)
     attention: str = "mha"  # mha | mqa | gqa | mla
@@ -97,6 +98,7 @@ class ModelConfig:
              f"dropout={self.dropout}, attn_dropout={self.attn_dropout}, act_dropout={self.act_dropout}: "
              "dropout values must be in [0, 1)")
         need(self.max_positions > 0, "max_positions must be > 0")
+        need(self.qk_norm >= 0.0, f"qk_norm={self.qk_norm} must be >= 0 (0 = off, else the initial scale g)")
         need(self.kv_latent_dim >= 0 and self.q_latent_dim >= 0, "latent sizes must be >= 0")
         need(self.attention == "mla" or self.kv_latent_dim == self.q_latent_dim == 0,
              "kv_latent_dim / q_latent_dim only apply to attention='mla'")
@@ -224,6 +226,9 @@ class Attention(nn.Module):
         self.q_up = nn.Linear(cfg.q_latent_dim, d) if cfg.q_latent_dim else None  # W^UQ (DeepSeek-V2 eq. 12)
         self.kv_up = nn.Linear(cfg.kv_latent, 2 * d) if self.mla else None  # [W^UK; W^UV] fused (eqs. 10-11)
         self.out_proj = nn.Linear(d, d)  # W^O
+        # QKNorm's g, one per layer; Henry et al. start it at log2(L^2 - L), L the 97.5th percentile of training
+        # lengths (Multi30k's joint BPE 8000: L = 26-29, g = 9.3-9.7).
+        self.qk_scale = nn.Parameter(torch.tensor(float(cfg.qk_norm))) if cfg.qk_norm > 0 else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, memory: torch.Tensor | None = None,
                 state: dict | None = None, need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -247,6 +252,9 @@ class Attention(nn.Module):
         if self.q_up is not None:
             q = self.q_up(q)  # (B,T,Lq) -> (B,T,D)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B,T,D) -> (B,H,T,Dh)
+        if self.qk_scale is not None:  # QKNorm: unit-length heads bound every score by g, so none saturates
+            q = F.normalize(q, dim=-1) * (self.qk_scale * self.head_dim ** 0.5)  # the kernels' 1/sqrt(Dh) cancels
+            k = F.normalize(k, dim=-1)
         p = self.dropout if self.training else 0.0
         if need_weights:
             out, weights = explicit_attention(q, k, v, mask, p)

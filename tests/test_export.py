@@ -22,7 +22,7 @@ import decoding
 import export
 from config import DataConfig, config_from_dict, config_to_dict
 from runtime import UserError, cli_main
-from transformer_model import Transformer
+from transformer_model import ModelConfig, Transformer
 
 ct2 = pytest.importorskip("ctranslate2")  # the modules above import it only when used
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -190,6 +190,13 @@ def test_spacy_tokenizer_gets_two_vocabularies(tmp_path):
     assert (out / "source_vocabulary.json").is_file() and (out / "target_vocabulary.json").is_file()
     engine = ct2_engine.load(out, threads=1)
     assert max_diff(teacher_forced(model, tok, SOURCES, REFS), ct2_token_log_probs(engine, SOURCES, REFS)) < 1e-4
+
+
+def test_qk_norm_model_is_refused_in_one_line():
+    cfg = ModelConfig(src_vocab_size=8, tgt_vocab_size=8, d_model=16, n_heads=4, n_enc_layers=1, n_dec_layers=1,
+                      d_ff=32, qk_norm=9.5)
+    with pytest.raises(UserError, match="no QKNorm"):
+        export.build_spec(ct2, Transformer(cfg), [], [])
 
 
 def test_vocabulary_refuses_what_ctranslate2_cannot_hold():

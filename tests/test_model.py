@@ -285,9 +285,11 @@ def test_logits_at_kept_positions_only():
     assert close(kept, model(src, tgt)[keep])
 
 
-@pytest.mark.parametrize("variant,norm", [*((v, "layer") for v in VARIANTS), ("mha", "scale"), ("mha", "fix")])
+@pytest.mark.parametrize("variant,norm", [*((v, "layer") for v in VARIANTS), ("mha", "scale"), ("mha", "fix"),
+                                          ("mha", "qk"), ("mla", "qk")])
 def test_cached_decoding_equals_full_pass_and_beam_reorder(variant, norm):
-    kind = {"fix": dict(fix_norm=True, norm_first=True), "scale": dict(norm="scale", norm_first=True)}
+    kind = {"fix": dict(fix_norm=True, norm_first=True), "scale": dict(norm="scale", norm_first=True),
+            "qk": dict(qk_norm=3.0)}
     model = tiny_model(variant, max_positions=5, **kind.get(norm, {}))  # max_positions: past the table too
     src, tgt = tokens(3, 6, SRC_V), tokens(3, 7, TGT_V, seed=2)
     src[2, 4:] = 0
@@ -326,6 +328,39 @@ def test_scale_norm_is_g_times_the_unit_vector_and_replaces_every_layer_norm():
     model.train()
     model(tokens(2, 6, SRC_V), tokens(2, 5, TGT_V, seed=2)).logsumexp(-1).sum().backward()
     assert all(m.g.grad is not None and m.g.grad.abs() > 0 for m in model.modules() if isinstance(m, tm.ScaleNorm))
+
+
+def test_qk_norm_scores_are_g_times_the_cosine_so_query_and_key_lengths_change_nothing():
+    """QKNorm (Henry et al. 2020): per head, softmax(g cos(q, k)) V; rescaling W^Q and W^K rows changes nothing."""
+    src, tgt = tokens(3, 6, SRC_V), tokens(3, 5, TGT_V, seed=2)
+    for g in (2.5, 0.0):
+        model = tiny_model(qk_norm=g)
+        before = model(src, tgt)
+        with torch.no_grad():  # each head's query and key rows by their own factor (q/k are the first 2D rows)
+            for attn in (m for m in model.modules() if isinstance(m, Attention)):
+                proj = attn.q_proj if attn.cross else attn.qkv_proj
+                factor = (torch.rand(4, 1) * 5 + 0.2).repeat_interleave(4, 0)  # (H*Dh, 1)
+                proj.weight[:16].mul_(factor)
+                proj.bias[:16].mul_(factor[:, 0])
+                if attn.cross:
+                    attn.kv_proj.weight[:16].mul_(factor)
+                    attn.kv_proj.bias[:16].mul_(factor[:, 0])
+                else:
+                    proj.weight[16:32].mul_(factor)
+                    proj.bias[16:32].mul_(factor[:, 0])
+        assert close(model(src, tgt), before, atol=1e-4) == (g > 0)
+    attn = tiny_model(qk_norm=2.5).encoder[0].self_attn
+    x = torch.randn(2, 5, 16)
+    q, k, v = (t.view(2, 5, 4, 4).transpose(1, 2) for t in attn.qkv_proj(x).split(16, dim=-1))
+    cos = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)  # (B,H,T,T)
+    expected = attn.out_proj((2.5 * cos).softmax(-1).matmul(v).transpose(1, 2).reshape(2, 5, 16))
+    assert close(attn(x, None)[0], expected)
+    model = tiny_model(qk_norm=2.5).train()
+    model(src, tgt).logsumexp(-1).sum().backward()
+    scales = [m.qk_scale for m in model.modules() if isinstance(m, Attention)]
+    assert len(scales) == 2 + 2 * 2 and all(g.grad is not None and g.grad.abs() > 0 for g in scales)
+    with pytest.raises(ValueError, match="qk_norm"):
+        tiny_cfg(qk_norm=-1.0).validate()
 
 
 def test_fix_norm_uses_unit_rows_so_a_row_s_length_changes_nothing():
