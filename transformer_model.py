@@ -253,8 +253,10 @@ class Attention(nn.Module):
             q = self.q_up(q)  # (B,T,Lq) -> (B,T,D)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B,T,D) -> (B,H,T,Dh)
         if self.qk_scale is not None:  # QKNorm: unit-length heads bound every score by g, so none saturates
-            q = F.normalize(q, dim=-1) * (self.qk_scale * self.head_dim ** 0.5)  # the kernels' 1/sqrt(Dh) cancels
-            k = F.normalize(k, dim=-1)
+            # One multiply per tensor (F.normalize divides, then g would multiply again): the kernels' 1/sqrt(Dh)
+            # cancels the sqrt(Dh) here.
+            q = q * ((self.qk_scale * self.head_dim ** 0.5) / q.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+            k = k * k.norm(dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()
         p = self.dropout if self.training else 0.0
         if need_weights:
             out, weights = explicit_attention(q, k, v, mask, p)
