@@ -336,18 +336,13 @@ def test_qk_norm_scores_are_g_times_the_cosine_so_query_and_key_lengths_change_n
     for g in (2.5, 0.0):
         model = tiny_model(qk_norm=g)
         before = model(src, tgt)
-        with torch.no_grad():  # each head's query and key rows by their own factor (q/k are the first 2D rows)
+        with torch.no_grad():  # each head's query and key rows by their own factor
             for attn in (m for m in model.modules() if isinstance(m, Attention)):
-                proj = attn.q_proj if attn.cross else attn.qkv_proj
                 factor = (torch.rand(4, 1) * 5 + 0.2).repeat_interleave(4, 0)  # (H*Dh, 1)
-                proj.weight[:16].mul_(factor)
-                proj.bias[:16].mul_(factor[:, 0])
-                if attn.cross:
-                    attn.kv_proj.weight[:16].mul_(factor)
-                    attn.kv_proj.bias[:16].mul_(factor[:, 0])
-                else:
-                    proj.weight[16:32].mul_(factor)
-                    proj.bias[16:32].mul_(factor[:, 0])
+                keys = (attn.kv_proj, 0) if attn.cross else (attn.qkv_proj, 16)  # K rows follow Q's in qkv_proj
+                for proj, first in ((attn.q_proj if attn.cross else attn.qkv_proj, 0), keys):
+                    proj.weight[first:first + 16].mul_(factor)
+                    proj.bias[first:first + 16].mul_(factor[:, 0])
         assert close(model(src, tgt), before, atol=1e-4) == (g > 0)
     attn = tiny_model(qk_norm=2.5).encoder[0].self_attn
     x = torch.randn(2, 5, 16)
