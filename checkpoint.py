@@ -3,8 +3,9 @@
 A checkpoint is a dict {"model": state_dict, "config": plain nested dict, "step": int, "tokenizer_sha256": str}
 plus, in checkpoint_last.pt, what an exact resume needs (FULL_STATE). It is read with
 torch.load(weights_only=True), which cannot run code. A run directory holds config.yaml, tokenizer/ and
-checkpoint_{last,best,avg,stepN}.pt; it is read as checkpoint_avg.pt > checkpoint_best.pt > checkpoint_last.pt,
-since the trainer keeps the averaged weights only when they beat the best single checkpoint on validation BLEU.
+checkpoint_{last,best,avg,ema,stepN}.pt; it is read as checkpoint_avg.pt > _ema.pt > _best.pt > _last.pt,
+since the trainer keeps an averaged model (of the last checkpoints, or the moving average of train.ema_decay)
+only when it beats the best single checkpoint on validation BLEU, and then only the winner of the two.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from transformer_model import ModelConfig, Transformer
 
 FULL_STATE = ("optimizer", "scaler", "epoch", "batch_in_epoch", "best_bleu", "bad_evals", "skipped_steps",
               "train_seconds", "rng")  # what resuming needs beyond the weights
-CHECKPOINT_ORDER = ("checkpoint_avg.pt", "checkpoint_best.pt", "checkpoint_last.pt")  # tried in this order
+CHECKPOINT_ORDER = ("checkpoint_avg.pt", "checkpoint_ema.pt", "checkpoint_best.pt", "checkpoint_last.pt")  # in order
 TRAINING_CHECKPOINT = re.compile(r"checkpoint_(last|best|step\d+)\.pt")  # what the trainer writes and reads back
 
 
@@ -133,7 +134,7 @@ def average_checkpoints(paths: list[Path]) -> dict:
 
 
 def find_checkpoint(path) -> Path:
-    """A .pt file as given, or in a run directory the first of checkpoint_avg.pt, _best.pt, _last.pt."""
+    """A .pt file as given, or in a run directory the first of checkpoint_avg.pt, _ema.pt, _best.pt, _last.pt."""
     p = Path(path)
     if not p.exists():
         raise UserError(f"checkpoint not found: {p} (give a run directory or a checkpoint .pt file)")

@@ -84,6 +84,7 @@ class TrainConfig:
     patience: int = 0  # stop after this many evals without a better val BLEU (0 = never)
     keep_last: int = 5  # step checkpoints kept on disk
     average_last: int = 5  # the final model averages the last N step checkpoints (0 or 1 = no averaging)
+    ema_decay: float = 0.0  # > 0: also keep an exponential moving average of the weights, a final-model candidate
     log_every: int = 50
     save_every: int = 0  # also rewrite checkpoint_last.pt every N steps (0 = only at evaluations)
     # Fine-tuning: start a NEW run from the weights of a trained run (its dir or a .pt file), encoding data.* with
@@ -317,6 +318,7 @@ def _train_checks(t: TrainConfig, d: DataConfig) -> list[tuple[bool, str]]:
         (t.out_dir.strip() != "", "train.out_dir is empty; give the folder for the run"),  # "" means the cwd
         (t.eval_bleu_sentences >= 0, "train.eval_bleu_sentences must be >= 0 (0 = the whole validation split)"),
         (t.average_last >= 0 and t.max_bad_steps >= 1, "train.average_last must be >= 0, train.max_bad_steps >= 1"),
+        (0.0 <= t.ema_decay < 1.0, "train.ema_decay must be in [0, 1) (0 = off; 0.999 averages ~1000 updates)"),
     ]
 
 

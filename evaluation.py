@@ -61,8 +61,9 @@ def bleu_on(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, split: 
 
 def choose_weights(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, cfg: Config, run_dir: Path,
                    device: torch.device) -> tuple[str, dict]:
-    """Load into model the best of checkpoint_best.pt and the average of the last step checkpoints, judged by
-    greedy validation BLEU; returns (name, {name: BLEU}). Keeps checkpoint_avg.pt only when it wins."""
+    """Load into model the best of checkpoint_best.pt, the average of the last step checkpoints and the weight
+    average (train.ema_decay), judged by greedy validation BLEU; returns (name, {name: BLEU}). Keeps
+    checkpoint_avg.pt / checkpoint_ema.pt only when it wins, since translate.py prefers them to checkpoint_best.pt."""
     t = cfg.train
     candidates = {}
     if (run_dir / "checkpoint_best.pt").exists():
@@ -71,6 +72,9 @@ def choose_weights(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, 
     if len(recent) > 1:
         save_checkpoint(average_checkpoints(recent), run_dir / "checkpoint_avg.pt")
         candidates[f"avg{len(recent)}"] = run_dir / "checkpoint_avg.pt"
+    if t.ema_decay > 0 and (ema := weight_average(run_dir / "checkpoint_last.pt")) is not None:
+        save_checkpoint(ema, run_dir / "checkpoint_ema.pt")
+        candidates["ema"] = run_dir / "checkpoint_ema.pt"
     val = {}
     for name, path in candidates.items():
         model.load_state_dict(read_checkpoint(path)["model"])
@@ -78,9 +82,21 @@ def choose_weights(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, 
     chosen = max(val, key=val.get) if val else "last"
     if chosen != "last":
         model.load_state_dict(read_checkpoint(candidates[chosen])["model"])
-    if chosen == "best" and (run_dir / "checkpoint_avg.pt").exists():
-        (run_dir / "checkpoint_avg.pt").unlink()  # translate.py prefers checkpoint_avg.pt: keep only a winner
+    for name, path in candidates.items():
+        if name not in (chosen, "best"):
+            path.unlink()
     return chosen, val
+
+
+def weight_average(last: Path) -> dict | None:
+    """The trainer's moving average of the weights (checkpoint_last.pt's "ema") as a checkpoint of its own."""
+    if not last.exists():
+        return None
+    state = read_checkpoint(last)
+    if "ema" not in state:
+        return None
+    keep = ("config", "step", "tokenizer_sha256")
+    return {"model": state["ema"], **{k: state[k] for k in keep if k in state}}
 
 
 def final_report(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, cfg: Config, run_dir: Path,
@@ -122,6 +138,8 @@ def plot_curves(run_dir: Path) -> None:
     axes = fig.subplots(1, 3)
     axes[0].plot(steps, [r["train_loss"] for r in rows], label="train (smoothed NLL)")
     axes[0].plot(steps, [r["val_loss"] for r in rows], label="validation NLL")
+    if all("ema_val_loss" in r for r in rows):
+        axes[0].plot(steps, [r["ema_val_loss"] for r in rows], label="validation NLL, weight average")
     axes[0].set_ylabel("loss (nats/token)")
     axes[0].legend()
     axes[1].plot(steps, [r["val_bleu"] for r in rows], marker="o")

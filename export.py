@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Export a trained checkpoint for a fast inference engine.",
                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR_OR_PT",
-                   help="run directory (checkpoint_avg.pt > _best.pt > _last.pt) or a .pt file next to tokenizer/")
+                   help="run directory (checkpoint_avg.pt > _ema.pt > _best.pt > _last.pt) or a .pt file next to "
+                        "tokenizer/")
     p.add_argument("--to", required=True, nargs=2, metavar=("ENGINE", "OUT_DIR"),
                    help="engine (only ctranslate2) and the folder to create")
     p.add_argument("--quantization", choices=sorted(QUANTIZATIONS), metavar="TYPE",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import copy
 import ctypes.util
 import math
 import os
@@ -229,6 +230,25 @@ class SkippedUpdates:
                             f"lower train.lr_factor or set train.clip_norm; {self.last_good()}", quiet=self.quiet)
 
 
+class WeightAverage:
+    """An exponential moving average of the weights (Polyak & Juditsky 1992), kept beside the trained model: a
+    running alternative to averaging the last checkpoints, scored as one more final-model candidate."""
+
+    def __init__(self, model: Transformer, decay: float):
+        self.decay = decay
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def decay_at(self, step: int) -> float:
+        """The decay after update `step` (1-based): lower early on, so the random start is forgotten at once
+        (TensorFlow's ExponentialMovingAverage with num_updates), then `decay`."""
+        return min(self.decay, (1 + step) / (10 + step))
+
+    @torch.no_grad()
+    def update(self, model: Transformer, step: int) -> None:
+        """ema <- d * ema + (1 - d) * w, for every parameter; buffers are not trained and stay as they are."""
+        torch._foreach_lerp_(list(self.model.parameters()), list(model.parameters()), 1.0 - self.decay_at(step))
+
+
 def agree_on_clock(train_seconds: float, master: bool, received: int | None,
                    device: torch.device) -> tuple[float, int | None]:
     """Under DDP every rank takes rank 0's training clock (the same cooldown lr, the same last step) and stops at
@@ -264,6 +284,7 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir)
         self.signals = StopSignals(self.log, self.last_good)
         self.skips = SkippedUpdates(cfg.train.max_bad_steps, self.log, self.last_good, quiet=not self.master)
+        self.ema = WeightAverage(model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 and self.master else None
 
     # -- state -------------------------------------------------------------------------------------------------
 
@@ -275,6 +296,8 @@ class Trainer:
                          epoch=self.stream.epoch, batch_in_epoch=self.stream.batch_in_epoch,
                          best_bleu=self.best_bleu, bad_evals=self.bad_evals,
                          skipped_steps=self.skips.total, train_seconds=self.train_seconds, rng=rng_state())
+            if self.ema is not None:
+                state["ema"] = self.ema.model.state_dict()
         return state
 
     def load_last(self) -> os.stat_result:
@@ -296,8 +319,22 @@ class Trainer:
         self.best_bleu, self.bad_evals = state["best_bleu"], state["bad_evals"]
         self.skips.total, self.train_seconds = state["skipped_steps"], state["train_seconds"]
         self.last_saved_step = self.step
+        if self.ema is not None:
+            self.load_ema(state)
         self.log(f"resumed from step {self.step} (epoch {self.stream.epoch + 1}, batch {self.stream.batch_in_epoch})")
         return stat
+
+    def load_ema(self, state: dict) -> None:
+        if "ema" not in state:  # the run was started without train.ema_decay: average from here on
+            self.ema = WeightAverage(self.model, self.ema.decay)
+            self.log(f"checkpoint_last.pt holds no weight average (train.ema_decay was 0): it starts at step "
+                     f"{self.step}")
+            return
+        try:
+            self.ema.model.load_state_dict(state["ema"])
+        except RuntimeError as e:
+            raise UserError(f"the weight average in checkpoint_last.pt does not match this model: {one_line(e)}") \
+                from None
 
     def save(self, name: str, full: bool = False) -> None:
         if not self.master:
@@ -364,6 +401,8 @@ class Trainer:
             return float("nan"), 0
         self.skips.in_a_row = 0
         self.step += 1
+        if self.ema is not None:
+            self.ema.update(self.model, self.step)
         return nll_total / max(ntok / self.world, 1.0), int(ntok)
 
     # -- evaluation --------------------------------------------------------------------------------------------
@@ -389,8 +428,11 @@ class Trainer:
             record = {"step": self.step, "epoch": self.stream.epoch + 1, "lr": self.optimizer.param_groups[0]["lr"],
                       "train_loss": train_loss, "val_loss": vloss, "val_ppl": math.exp(min(vloss, 50)),
                       "val_bleu": bleu, "tokens_per_s": tokens_per_s, "elapsed_s": self.train_seconds}
+            if self.ema is not None:
+                record["ema_val_loss"] = valid_loss(self.ema.model, self.valid_split, self.cfg, self.device)
             self.metrics.write(record)
-            self.log(f"step {self.step} | val loss {vloss:.3f} ppl {record['val_ppl']:.2f} | val BLEU {bleu:.2f}"
+            ema = f" | ema val loss {record['ema_val_loss']:.3f}" if self.ema is not None else ""
+            self.log(f"step {self.step} | val loss {vloss:.3f} ppl {record['val_ppl']:.2f}{ema} | val BLEU {bleu:.2f}"
                      f"{' (best)' if improved else ''} | {tokens_per_s:.0f} tok/s")
             stop = bool(t.patience and self.bad_evals >= t.patience)
         if self.world > 1:

@@ -97,9 +97,10 @@ EXAMPLES = """examples:
   python translate.py --checkpoint exported/en_de < in.en > out.de      # a folder written by export.py
   python translate.py --checkpoint runs/a --checkpoint runs/b --reference test_2016_flickr   # an ensemble
 
---checkpoint takes a run directory (checkpoint_avg.pt, else checkpoint_best.pt, else checkpoint_last.pt), a
-.pt file whose folder holds tokenizer/, or a CTranslate2 folder written by export.py (--engine auto picks
-ctranslate2 for it; --engine ctranslate2 needs one, --engine torch refuses one). Given more than once (runs or
+--checkpoint takes a run directory (checkpoint_avg.pt, else _ema.pt, _best.pt, _last.pt: the trainer leaves the
+final model it chose first in that order), a .pt file whose folder holds tokenizer/, or a CTranslate2 folder
+written by export.py (--engine auto picks ctranslate2 for it; --engine ctranslate2 needs one, --engine torch
+refuses one). Given more than once (runs or
 .pt files trained with the same tokenizer), the models decode as an ensemble: each step's next-token
 distribution is the mean of theirs; the decode settings come from the first. Without sentences or --input,
 lines are read from standard input in chunks of up to --buffer-size lines, each translated as one batch and

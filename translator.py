@@ -128,7 +128,7 @@ class Translator:
     def load(cls, run_dir_or_checkpoint: str | Path, device: str = "auto", precision: str | None = None,
              engine: str = "auto", batch_tokens: int | None = None, max_src_len: int | None = None,
              use_cache: bool = True) -> Translator:
-        """A Translator from a run directory (checkpoint_avg.pt, else _best, else _last), a checkpoint file, or a
+        """A Translator from a run directory (checkpoint_avg.pt, else _ema, _best, _last), a checkpoint file, or a
         folder written by export.py (engine: see locate). precision None: the run's decode.precision."""
         engine, source = locate(run_dir_or_checkpoint, engine)
         if precision is not None and precision not in PRECISIONS:

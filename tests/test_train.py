@@ -14,9 +14,10 @@ import yaml
 
 from checkpoint import average_checkpoints, read_checkpoint
 from config import TrainConfig, load_config
+from evaluation import weight_average
 from loss import ROWS_PER_PASS, TranslationLoss, label_smoothed_nll, projected_label_smoothed_nll, projected_rdrop_loss
 from runtime import UserError
-from train_transformer import build_optimizer, cooldown_factor, learning_rate
+from train_transformer import WeightAverage, build_optimizer, cooldown_factor, learning_rate
 from transformer_model import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +88,30 @@ def test_weight_decay_is_decoupled_and_spares_gains_and_biases(weight_decay):
     for name, p in model.named_parameters():
         factor = 1 - 0.01 * weight_decay if p.dim() >= 2 else 1.0
         torch.testing.assert_close(p.detach(), before[name] * factor, rtol=1e-6, atol=0, msg=name)
+
+
+def test_weight_average_is_the_exponential_moving_average_of_the_updates():
+    """ema_t = d_t * ema_(t-1) + (1 - d_t) * w_t with d_t = min(decay, (1 + t) / (10 + t)), written out."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(src_vocab_size=20, tgt_vocab_size=20, d_model=8, n_heads=2, n_enc_layers=1,
+                                    n_dec_layers=1, d_ff=16, share_embeddings=True))
+    ema = WeightAverage(model, decay=0.5)
+    expected = [p.detach().clone() for p in model.parameters()]
+    buffers = {k: v.clone() for k, v in ema.model.named_buffers()}
+    for step in range(1, 4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+        d = min(0.5, (1 + step) / (10 + step))
+        assert ema.decay_at(step) == d
+        expected = [d * e + (1 - d) * p.detach() for e, p in zip(expected, model.parameters(), strict=True)]
+        ema.update(model, step)
+    for e, a in zip(expected, ema.model.parameters(), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7)
+        assert not a.requires_grad
+    for k, v in ema.model.named_buffers():  # the positional table and other buffers are not averaged
+        assert torch.equal(v, buffers[k]), k
+    assert ema.decay_at(100) == 0.5 and ema.decay_at(1) == pytest.approx(2 / 11)
 
 
 def test_label_smoothing_closed_form():
@@ -326,6 +351,8 @@ def test_config_errors(tmp_path):
         load_config("configs/tiny.yaml", ["train.warmup=0"])
     with pytest.raises(UserError, match="pad_multiple"):
         load_config("configs/tiny.yaml", ["train.pad_multiple=0"])
+    with pytest.raises(UserError, match=r"train.ema_decay must be in \[0, 1\)"):
+        load_config("configs/tiny.yaml", ["train.ema_decay=1.0"])
     cfg = load_config("configs/tiny.yaml", ["train.max_steps=7", "model.dropout=0.25"])
     assert cfg.train.max_steps == 7 and cfg.model.dropout == 0.25
 
@@ -358,13 +385,36 @@ def test_tiny_end_to_end(tmp_path):
     assert again.returncode == 2 and "already holds a run" in again.stderr and "Traceback" not in again.stderr
 
 
+def test_weight_average_is_a_final_model_candidate(tmp_path):
+    """train.ema_decay: its validation loss at each evaluation, then one more candidate of the final report; the
+    file translate.py prefers is the winner's, and --report rebuilds the same choice from checkpoint_last.pt."""
+    run_train(tiny_args(tmp_path, "train.ema_decay=0.9"))
+    run = tmp_path / "run"
+    assert all("ema_val_loss" in json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+    last = read_checkpoint(run / "checkpoint_last.pt")
+    assert last["ema"].keys() == last["model"].keys()
+    assert not torch.equal(last["ema"]["src_embed.weight"], last["model"]["src_embed.weight"])  # averaged
+    results = json.loads((run / "results.json").read_text())
+    assert set(results["val_bleu_greedy"]) == {"best", "avg2", "ema"}
+    kept = {name: (run / f"checkpoint_{name}.pt").exists() for name in ("avg", "ema")}
+    assert kept == {"avg": results["model"] == "avg2", "ema": results["model"] == "ema"}
+    run_train(["--report", str(run)])  # deletes neither candidate for good: both are rebuilt and judged again
+    again = json.loads((run / "results.json").read_text())
+    assert again["val_bleu_greedy"] == results["val_bleu_greedy"] and again["model"] == results["model"]
+    candidate = weight_average(run / "checkpoint_last.pt")  # what checkpoint_ema.pt holds when it wins
+    assert candidate.keys() == {"model", "config", "step", "tokenizer_sha256"} and candidate["step"] == 30
+    assert all(torch.equal(v, last["ema"][k]) for k, v in candidate["model"].items())
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("bpe_dropout,weight_decay", [("0.0", "0.0"), ("0.1", "0.0"), ("0.0", "0.1")])
-def test_resume_equals_uninterrupted(tmp_path, bpe_dropout, weight_decay):
+@pytest.mark.parametrize("bpe_dropout,weight_decay,ema", [("0.0", "0.0", "0.0"), ("0.1", "0.0", "0.0"),
+                                                        ("0.0", "0.1", "0.9")])
+def test_resume_equals_uninterrupted(tmp_path, bpe_dropout, weight_decay, ema):
     # pad_multiple 1, the CPU recipes' setting: the resumed run must rebuild the same batch boundaries; with
     # BPE-dropout (and the target output vocabulary it widens) also the same segmentation of its epoch
     common = ["train.precision=fp32", "train.eval_every=1000", "train.average_last=0", "train.pad_multiple=1",
-              f"train.bpe_dropout={bpe_dropout}", f"train.weight_decay={weight_decay}", "model.output_vocab=target"]
+              f"train.bpe_dropout={bpe_dropout}", f"train.weight_decay={weight_decay}", f"train.ema_decay={ema}",
+              "model.output_vocab=target"]
     run_train(tiny_args(tmp_path / "a", *common, "train.max_steps=24"))
     run_train(tiny_args(tmp_path / "b", *common, "train.max_steps=11"))
     run_train(tiny_args(tmp_path / "b", *common, "train.max_steps=24", "train.resume=true"))
@@ -374,6 +424,9 @@ def test_resume_equals_uninterrupted(tmp_path, bpe_dropout, weight_decay):
     assert (a["epoch"], a["batch_in_epoch"]) == (b["epoch"], b["batch_in_epoch"])
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=0, msg=k)
+    assert ("ema" in a) == ("ema" in b) == (ema != "0.0")
+    for k in a.get("ema", {}):  # the weight average goes on from where it was, too
+        torch.testing.assert_close(a["ema"][k], b["ema"][k], rtol=0, atol=0, msg=k)
     first = a["optimizer"]["state"][0]["exp_avg_sq"]
     torch.testing.assert_close(first, b["optimizer"]["state"][0]["exp_avg_sq"], rtol=0, atol=0)
 
