@@ -406,6 +406,16 @@ def test_weight_average_is_a_final_model_candidate(tmp_path):
     assert all(torch.equal(v, last["ema"][k]) for k, v in candidate["model"].items())
 
 
+def test_weight_average_can_start_when_a_run_is_resumed(tmp_path):
+    """A run started without train.ema_decay and resumed with it averages from the resumed step on."""
+    run_train(tiny_args(tmp_path, "train.max_steps=15"))
+    proc = run_train(tiny_args(tmp_path, "train.resume=true", "train.ema_decay=0.9"))
+    assert "holds no weight average (train.ema_decay was 0): it starts at step 15" in proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [("ema_val_loss" in r) for r in rows] == [False, True]
+    assert "ema" in json.loads((tmp_path / "run" / "results.json").read_text())["val_bleu_greedy"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bpe_dropout,weight_decay,ema", [("0.0", "0.0", "0.0"), ("0.1", "0.0", "0.0"),
                                                         ("0.0", "0.1", "0.9")])
