@@ -406,6 +406,21 @@ def test_weight_average_is_a_final_model_candidate(tmp_path):
     assert all(torch.equal(v, last["ema"][k]) for k, v in candidate["model"].items())
 
 
+def test_weight_average_changes_nothing_the_model_learns(tmp_path):
+    """The average only reads the weights: the same run with and without it ends with the same weights and
+    optimizer state, bit for bit (dropout draws the same random numbers)."""
+    common = ["train.max_steps=15", "train.eval_every=15", "train.average_last=0"]
+    run_train(tiny_args(tmp_path / "plain", *common))
+    run_train(tiny_args(tmp_path / "ema", *common, "train.ema_decay=0.9"))
+    a = read_checkpoint(tmp_path / "plain" / "run" / "checkpoint_last.pt")
+    b = read_checkpoint(tmp_path / "ema" / "run" / "checkpoint_last.pt")
+    assert "ema" not in a and "ema" in b
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=0, msg=k)
+    for i, state in a["optimizer"]["state"].items():
+        torch.testing.assert_close(state["exp_avg"], b["optimizer"]["state"][i]["exp_avg"], rtol=0, atol=0)
+
+
 def test_weight_average_can_start_when_a_run_is_resumed(tmp_path):
     """A run started without train.ema_decay and resumed with it averages from the resumed step on."""
     run_train(tiny_args(tmp_path, "train.max_steps=15"))
