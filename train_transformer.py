@@ -325,7 +325,7 @@ class Trainer:
         return stat
 
     def load_ema(self, state: dict) -> None:
-        """The weight average of a resumed run goes on from checkpoint_last.pt's, exactly."""
+        """A resumed run's weight average goes on from checkpoint_last.pt's, exactly, or starts here if none."""
         if "ema" not in state:  # the run was started without train.ema_decay: average from here on
             self.ema = WeightAverage(self.model, self.ema.decay)
             self.log(f"checkpoint_last.pt holds no weight average (train.ema_decay was 0): it starts at step "

@@ -418,7 +418,8 @@ def test_weight_average_changes_nothing_the_model_learns(tmp_path):
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=0, msg=k)
     for i, state in a["optimizer"]["state"].items():
-        torch.testing.assert_close(state["exp_avg"], b["optimizer"]["state"][i]["exp_avg"], rtol=0, atol=0)
+        for name, value in state.items():  # step, exp_avg, exp_avg_sq
+            torch.testing.assert_close(value, b["optimizer"]["state"][i][name], rtol=0, atol=0, msg=name)
 
 
 def test_weight_average_can_start_when_a_run_is_resumed(tmp_path):
