@@ -39,7 +39,7 @@ class DataConfig:
     tokenizer: str = "bpe"  # bpe (joint SentencePiece) | spacy (blank tokenizers, one vocabulary per side)
     vocab_size: int = 8000  # bpe: size of the joint vocabulary
     min_freq: int = 2  # spacy: words seen fewer times become <unk>
-    lowercase: bool = False  # spacy: lowercase before building the vocabularies
+    lowercase: bool = False  # lowercase all text (the Multi30k papers' lc data): outputs are then lowercase too
     max_len: int = 250  # training pairs with a side longer than this (in tokens) are dropped
     max_len_ratio: float = 3.0  # ... and pairs whose length ratio exceeds this
     valid_split: str = "val"
@@ -372,9 +372,9 @@ _DERIVED_MODEL_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id", "output_s
 def finetune_mismatches(cfg: Config, source: Config) -> list[str]:
     """What in cfg contradicts the source run of train.init_from, one phrase per field ([] if nothing): the model
     architecture, and the data settings that define the vocabulary it inherits (languages, tokenizer kind,
-    data.vocab_size for bpe, data.min_freq/lowercase for spacy)."""
-    d = ["tokenizer", "src_lang", "tgt_lang", *(("vocab_size",) if source.data.tokenizer == "bpe" else
-                                                 ("min_freq", "lowercase"))]
+    data.vocab_size for bpe, data.min_freq for spacy, data.lowercase)."""
+    d = ["tokenizer", "src_lang", "tgt_lang", "lowercase",
+         *(("vocab_size",) if source.data.tokenizer == "bpe" else ("min_freq",))]
     m = [f.name for f in dataclasses.fields(ModelConfig)
          if f.name not in FINETUNE_FREE_MODEL_FIELDS + _DERIVED_MODEL_FIELDS]
     return [f"{section}.{key} is {getattr(getattr(cfg, section), key)!r} here but "

@@ -208,12 +208,13 @@ class BpeTokenizer(Tokenizer):
     def __init__(self, folder: Path, info: dict):
         super().__init__(folder, info)
         self.sp = spm.SentencePieceProcessor(model_file=str(self.folder / "spm.model"))
+        self.lowercase = info["lowercase"]
 
     @staticmethod
     def train(folder: Path, cfg: DataConfig, corpus: TrainText, threads: int) -> dict:
         """Learn the merges on at most data.sample_size sentences drawn from both sides (a temp file)."""
         sample = folder / "spm.sample.txt"
-        corpus.write_sample(sample, cfg.sample_size)
+        corpus.write_sample(sample, cfg.sample_size, lowercase=cfg.lowercase)
         with open(sample, encoding="utf-8") as f:
             if not any(line.strip() for line in f):
                 sample.unlink()
@@ -235,13 +236,14 @@ class BpeTokenizer(Tokenizer):
             sample.unlink(missing_ok=True)
         model = folder / "spm.model"
         model.write_bytes(_reproducible_spm_model(model.read_bytes()))
-        return {"kind": "bpe", "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "lowercase": False,
+        return {"kind": "bpe", "src_lang": cfg.src_lang, "tgt_lang": cfg.tgt_lang, "lowercase": cfg.lowercase,
                 "files": ["spm.model", "spm.vocab"]}
 
     def vocab_size(self, lang: str) -> int:
         return self.sp.get_piece_size()
 
     def encode_lines(self, lines: list[str], lang: str) -> list[list[int]]:
+        lines = [line.lower() for line in lines] if self.lowercase else lines
         return self.sp.encode(lines, out_type=int, num_threads=self.threads)
 
     def pieces(self, ids: list[int], lang: str) -> list[str]:
@@ -405,7 +407,7 @@ class TrainText:
         column = 1 + self.langs.index(lang)
         return (item[column] for item in self)
 
-    def write_sample(self, path: Path, size: int, seed: int = 1) -> int:
+    def write_sample(self, path: Path, size: int, seed: int = 1, lowercase: bool = False) -> int:
         """Write a uniform sample of `size` sentences (both sides pooled) to path, one per line; returns the
         count. SentencePiece then trains on the file rather than on an in-memory list of 9 M sentences."""
         total = 2 * self.pairs  # sentence 2i is the source of line i, 2i + 1 its target
@@ -418,7 +420,7 @@ class TrainText:
             for index, src, tgt in self:
                 for sentence, pick in ((src, chosen[2 * index]), (tgt, chosen[2 * index + 1])):
                     if pick:
-                        out.write(sentence + "\n")
+                        out.write((sentence.lower() if lowercase else sentence) + "\n")
                         written += 1
                 bar.update(1)
         return written
@@ -561,6 +563,8 @@ def _cache_key(cfg: DataConfig, files: dict, tokenizer: Path | None = None) -> t
                 "splits": list(files)}
     if cfg.tokenizer == "bpe":
         settings.update(vocab_size=cfg.vocab_size, sample_size=cfg.sample_size)
+        if cfg.lowercase:  # only when on, so the folders prepared before the option keep their key
+            settings.update(lowercase=True)
     else:
         settings.update(min_freq=cfg.min_freq, lowercase=cfg.lowercase)
     if cfg.bidirectional:  # only when on, so the folders prepared before the option keep their key
@@ -604,7 +608,7 @@ def prepare(cfg: DataConfig, force: bool = False, tokenizer: Path | None = None)
     files = DATASETS[cfg.dataset](cfg)
     settings, inputs, key = _cache_key(cfg, files, tokenizer)
     _check_distinct_splits(files, inputs)
-    vocab = f"{cfg.vocab_size}" if cfg.tokenizer == "bpe" else f"-min{cfg.min_freq}{'-lc' * cfg.lowercase}"
+    vocab = (f"{cfg.vocab_size}" if cfg.tokenizer == "bpe" else f"-min{cfg.min_freq}") + "-lc" * cfg.lowercase
     name = f"{cfg.dataset}_{cfg.src_lang}-{cfg.tgt_lang}_{cfg.tokenizer}{vocab}_{key}"
     folder = Path(cfg.prepared_dir) / name
     if (folder / "meta.json").is_file() and not force:

@@ -59,6 +59,12 @@ def bleu_on(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, split: 
     return score(hyps, refs, d.tgt_lang), hyps
 
 
+def selection_bleu(scores: dict, cfg: Config) -> float:
+    """The BLEU that picks checkpoints: cased sacreBLEU, or with data.lowercase the tokenized lowercased BLEU
+    (against cased references a lowercase model's cased score mostly counts the capitals it cannot write)."""
+    return scores["bleu_tok_lc" if cfg.data.lowercase else "bleu"]
+
+
 def choose_weights(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, cfg: Config, run_dir: Path,
                    device: torch.device) -> tuple[str, dict]:
     """Load into model the best of checkpoint_best.pt, the average of the last step checkpoints and the weight
@@ -78,7 +84,8 @@ def choose_weights(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, 
     val = {}
     for name, path in candidates.items():
         model.load_state_dict(read_checkpoint(path)["model"])
-        val[name] = bleu_on(model, tokenizer, prepared, cfg.data.valid_split, cfg, device, beam=1)[0]["bleu"]
+        val[name] = selection_bleu(bleu_on(model, tokenizer, prepared, cfg.data.valid_split, cfg, device, beam=1)[0],
+                                   cfg)
     chosen = max(val, key=val.get) if val else "last"
     if chosen != "last":
         model.load_state_dict(read_checkpoint(candidates[chosen])["model"])

@@ -55,7 +55,7 @@ from config import (
     read_yaml,
     validate,
 )
-from evaluation import bleu_on, final_report, valid_loss
+from evaluation import bleu_on, final_report, selection_bleu, valid_loss
 from loss import TranslationLoss
 from rundir import (
     RUN_CONTROL,
@@ -414,8 +414,9 @@ class Trainer:
         if self.master:
             t = self.cfg.train
             vloss = valid_loss(self.model, self.valid_split, self.cfg, self.device)
-            bleu = bleu_on(self.model, self.tokenizer, self.prepared, self.cfg.data.valid_split, self.cfg,
-                           self.device, beam=1, limit=t.eval_bleu_sentences)[0]["bleu"]
+            scores = bleu_on(self.model, self.tokenizer, self.prepared, self.cfg.data.valid_split, self.cfg,
+                             self.device, beam=1, limit=t.eval_bleu_sentences)[0]
+            bleu = selection_bleu(scores, self.cfg)
             improved = bleu > self.best_bleu
             if improved:
                 self.best_bleu, self.bad_evals = bleu, 0

@@ -95,6 +95,19 @@ def test_spacy_lowercase_option(tmp_path):
     assert tok.encode_tgt("EIN MANN") == tok.encode_tgt("ein mann") != [dp.UNK_ID, dp.UNK_ID]
 
 
+def test_bpe_lowercase_option(tmp_path):
+    """data.lowercase with BPE: vocabulary learnt on lowercased text, any input lowercased before encoding, so
+    outputs are lowercase; the raw reference texts kept for scoring stay as they were."""
+    folder = dp.prepare(fixture_config(tmp_path, lowercase=True))
+    tok = dp.load_tokenizer(folder)
+    pieces = [tok.sp.id_to_piece(i) for i in range(len(dp.SPECIALS), tok.sp.get_piece_size())]
+    assert not any(p.lower() != p for p in pieces if not p.startswith("<0x"))  # byte pieces spell hex digits
+    assert tok.encode_src("A MAN in a Park.") == tok.encode_src("a man in a park.")
+    assert tok.decode_tgt(tok.encode_tgt("Ein Mann")) == "ein mann"
+    assert dp.read_raw(folder, "val", "de") == fixture_lines("val", "de")
+    assert json.loads((folder / "tokenizer.json").read_text("utf-8"))["lowercase"] is True
+
+
 def test_meta_memory_mapped_splits_and_raw_text(fixture_prepared):
     folder = fixture_prepared["bpe"]
     meta = read_meta(folder)
@@ -149,8 +162,10 @@ def test_cache_reuse_force_and_cache_key(tmp_path, capsys):
     assert len(list(tmp_path.iterdir())) == 4 and not list(tmp_path.glob("*.tmp*"))
     bpe = fixture_config(tmp_path / "bpe")
     folder = dp.prepare(bpe)
-    bpe.min_freq, bpe.lowercase = 1, True  # spacy-only settings: the bpe result is the same
+    bpe.min_freq = 1  # a spacy-only setting: the bpe result is the same
     assert dp.prepare(bpe) == folder
+    bpe.lowercase = True  # other text, so other data (and the old folders kept their key: the option is new)
+    assert dp.prepare(bpe) != folder and dp.prepare(bpe).name.startswith("files_en-de_bpe400-lc_")
 
 
 def test_train_filters_blank_lines_and_keeps_valid_intact(tmp_path, capsys):
