@@ -112,7 +112,8 @@ def final_report(model: Transformer, tokenizer: dp.Tokenizer, prepared: Path, cf
     d, dec = cfg.data, cfg.decode
     chosen, val = choose_weights(model, tokenizer, prepared, cfg, run_dir, device)
     precision = resolve_precision(dec.precision, device)  # what bleu_on decodes in
-    print(f"validation BLEU (greedy): {json.dumps(val)} -> testing '{chosen}' with beam {dec.beam}", file=sys.stderr)
+    kind = "greedy, tokenized lowercased" if d.lowercase else "greedy"
+    print(f"validation BLEU ({kind}): {json.dumps(val)} -> testing '{chosen}' with beam {dec.beam}", file=sys.stderr)
     results = {"model": chosen, "step": step, "val_bleu_greedy": val, "train_minutes": train_seconds / 60,
                "parameters": count_parameters(model), "device": str(device), "decode_precision": precision,
                "tests": {}}

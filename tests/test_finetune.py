@@ -106,6 +106,7 @@ def test_prepared_data_cache_is_keyed_by_the_given_tokenizer(shifted, tmp_path):
     ("model.norm_first=true", "model.norm_first"),
     ("data.vocab_size=600", "data.vocab_size is 600 here but 500 in the source"),
     ("data.src_lang=fr", "data.src_lang"),
+    ("data.lowercase=true", "data.lowercase is True here but False in the source"),
 ])
 def test_mismatch_with_the_source_is_one_line_before_data_preparation(shifted, tmp_path, capsys, monkeypatch,
                                                                        override, field):

@@ -14,7 +14,7 @@ import yaml
 
 from checkpoint import average_checkpoints, read_checkpoint
 from config import TrainConfig, load_config
-from evaluation import weight_average
+from evaluation import selection_bleu, weight_average
 from loss import ROWS_PER_PASS, TranslationLoss, label_smoothed_nll, projected_label_smoothed_nll, projected_rdrop_loss
 from runtime import UserError
 from train_transformer import WeightAverage, build_optimizer, cooldown_factor, learning_rate
@@ -383,6 +383,24 @@ def test_tiny_end_to_end(tmp_path):
     # a second run into the same folder is refused unless resumed or overwritten
     again = run_train(tiny_args(tmp_path), check=False)
     assert again.returncode == 2 and "already holds a run" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_lowercase_run_writes_lowercase_and_picks_checkpoints_on_lowercased_bleu(tmp_path):
+    """data.lowercase: every hypothesis is lowercase, and the BLEU that picks checkpoints (at each evaluation and
+    in the final report) is the tokenized lowercased one, which a lowercase model can score on."""
+    cfg = load_config("configs/tiny.yaml")
+    scores = {"bleu": 10.0, "bleu_tok_lc": 30.0}
+    assert selection_bleu(scores, cfg) == 10.0
+    cfg.data.lowercase = True
+    assert selection_bleu(scores, cfg) == 30.0
+    proc = run_train(tiny_args(tmp_path, "data.lowercase=true", "train.eval_bleu_sentences=0"))
+    run = tmp_path / "run"
+    hyps = (run / "hyps" / "val.de").read_text("utf-8").splitlines()
+    assert hyps and any(h.strip() for h in hyps) and all(h == h.lower() for h in hyps)
+    assert "validation BLEU (greedy, tokenized lowercased)" in proc.stderr
+    results = json.loads((run / "results.json").read_text())
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert results["val_bleu_greedy"]["best"] == max(m["val_bleu"] for m in metrics)  # both on the whole split
 
 
 def test_weight_average_is_a_final_model_candidate(tmp_path):
