@@ -106,6 +106,7 @@ class Tokenizer:
     def __init__(self, folder: Path, info: dict):
         self.folder, self.info = Path(folder), info
         self.src_lang, self.tgt_lang = info["src_lang"], info["tgt_lang"]
+        self.lowercase = info["lowercase"]
         self.threads = min(os.cpu_count() or 1, 8)
 
     @property
@@ -208,7 +209,6 @@ class BpeTokenizer(Tokenizer):
     def __init__(self, folder: Path, info: dict):
         super().__init__(folder, info)
         self.sp = spm.SentencePieceProcessor(model_file=str(self.folder / "spm.model"))
-        self.lowercase = info["lowercase"]
 
     @staticmethod
     def train(folder: Path, cfg: DataConfig, corpus: TrainText, threads: int) -> dict:
@@ -285,7 +285,6 @@ class SpacyTokenizer(Tokenizer):
         from sacremoses import MosesDetokenizer
 
         langs = (self.src_lang, self.tgt_lang)
-        self.lowercase = info["lowercase"]
         self.nlp = {lang: _spacy_tokenizer(lang) for lang in langs}
         self.vocab = {lang: json.loads((self.folder / f"vocab.{lang}.json").read_text("utf-8"))
                       for lang in langs}

@@ -401,6 +401,12 @@ def test_lowercase_run_writes_lowercase_and_picks_checkpoints_on_lowercased_bleu
     results = json.loads((run / "results.json").read_text())
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert results["val_bleu_greedy"]["best"] == max(m["val_bleu"] for m in metrics)  # both on the whole split
+    out = subprocess.run([sys.executable, "translate.py", "--checkpoint", str(run / "checkpoint_best.pt"),
+                          "--reference", "val", "--beam", "1", "--json", "--output", str(tmp_path / "val.de")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    greedy = json.loads(out.stdout)  # the best checkpoint's greedy scores, as a user gets them
+    assert results["val_bleu_greedy"]["best"] == greedy["bleu_tok_lc"] != greedy["bleu"]
 
 
 def test_weight_average_is_a_final_model_candidate(tmp_path):
