@@ -142,9 +142,15 @@ def main(argv: list[str]) -> None:
     write_text(out / "results.json", json.dumps(result, indent=1) + "\n")
     print(f"ensemble of {len(runs)}: {minutes['training']:.1f} min training, {minutes['total']:.1f} min in all; "
           f"{out / 'results.json'}")
-    print(f"{'split':<20}{'ensemble':>10}" + "".join(f"{run.name:>10}" for run in runs) + "   (cased sacreBLEU)")
+    print(f"{'split':<20}{'ensemble':>14}" + "".join(f"{run.name:>14}" for run in runs)
+          + "   (cased sacreBLEU / tokenized lowercased)")
     for split, s in tests.items():
-        print(f"{split:<20}{s['bleu']:>10.2f}" + "".join(f"{members[r.name][split]['bleu']:>10.2f}" for r in runs))
+        print(f"{split:<20}{both_bleus(s):>14}" + "".join(f"{both_bleus(members[r.name][split]):>14}" for r in runs))
+
+
+def both_bleus(scores: dict) -> str:
+    """'cased / tokenized lowercased': a lowercase run (data.lowercase) is judged on the second."""
+    return f"{scores['bleu']:.2f} / {scores['bleu_tok_lc']:.2f}"
 
 
 if __name__ == "__main__":

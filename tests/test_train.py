@@ -676,6 +676,12 @@ def test_train_ensemble_trains_seeded_members_at_once_and_scores_their_mean(tmp_
     hyps = [t.text for t in ensemble.translate(dp.read_raw(prepared, "test", "en"))]
     assert result["tests"]["test"] == score(hyps, dp.read_raw(prepared, "test", "de"), "de")
     assert result["tests"]["test"]["bleu"] not in members or members[0] == members[1]
+    # the closing table gives both scorings (a data.lowercase run is judged on the second), ensemble first
+    lines = proc.stdout.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("split ") and "ensemble" in line):]
+    row = next(line for line in table if line.startswith("test "))
+    cells = [result["tests"]["test"]] + [result["member_tests"][f"seed{k}"]["test"] for k in (1, 2)]
+    assert row.split()[1:] == [x for c in cells for x in (f"{c['bleu']:.2f}", "/", f"{c['bleu_tok_lc']:.2f}")]
     stamp = (out / "seed1" / "checkpoint_last.pt").stat().st_mtime_ns
     again = run_ensemble(tmp_path)  # finished members are not trained again
     assert again.returncode == 0 and again.stdout.count("not trained again") == 2
