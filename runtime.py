@@ -2,7 +2,8 @@
 
 - UserError and cli_main: a mistake the user can fix is one line on stderr and exit status 2, never a traceback.
 - resolve_device: which torch device a device string means here, with one clear error if it cannot be used.
-- native_bf16 / resolve_precision / autocast: bf16 only where the hardware computes it natively.
+- cpu_info / native_bf16 / resolve_precision / autocast: what the CPU is; bf16 only where the hardware computes it
+  natively.
 - atomic_write: a file appears complete or not at all (temp file in the same folder, then rename); a symlink's
   target is written, a device or FIFO in place; errors name the file, not the temp file.
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import stat
@@ -91,14 +93,22 @@ def resolve_device(name: str, what: str = "device") -> torch.device:
     return device
 
 
+@functools.cache
+def cpu_info(field: str) -> str:
+    """The first value of a /proc/cpuinfo field ("model name", "vendor_id", "flags"); '' where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines
+                 if ":" in line and line.split(":", 1)[0].strip() == field), "")
+
+
 def native_bf16(device: torch.device) -> bool:
     """True where bf16 matmuls run natively: recent GPUs, CPUs with AMX or AVX512-BF16."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = cpu_info("flags").split()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 

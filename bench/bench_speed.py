@@ -75,7 +75,7 @@ import transformer_model as tm  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
 from config import load_config  # noqa: E402
 from decoding import search_texts  # noqa: E402
-from runtime import UserError, cli_main, native_bf16, resolve_device  # noqa: E402
+from runtime import UserError, cli_main, cpu_info, native_bf16, resolve_device  # noqa: E402
 
 PAD_ID, EOS_ID = 0, 3
 NOMINAL_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16 tensor-core peak of the SXM parts (datasheet)
@@ -111,12 +111,7 @@ def wmt14_base_config(args) -> tm.ModelConfig:
 
 def cpu_name() -> str:
     """The CPU model name from /proc/cpuinfo."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-                platform.processor() or "unknown")
+    return cpu_info("model name") or platform.processor() or "unknown"
 
 
 def environment(device: torch.device) -> dict:

@@ -153,11 +153,14 @@ def test_label_smoothing_gradient_matches_autograd(eps):
     assert torch.autograd.gradcheck(lambda z: label_smoothed_nll(z, tgt, eps, 0), (logits,))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-def test_projected_loss_equals_loss_of_the_logits(eps):
+def test_projected_loss_equals_loss_of_the_logits(eps, transposed, monkeypatch):
     """The fused projection + loss (what the trainer runs) gives label_smoothed_nll(hidden @ W.T) and its
-    gradients, over more rows than one block; gradcheck in float64; a second backward through a retained graph
-    (the first one turned the kept softmax into the gradient in place) gives the same gradients again."""
+    gradients, over more rows than one block, with the weight gradient in either operand order (the CPU picks
+    one); gradcheck in float64; a second backward through a retained graph (the first one turned the kept softmax
+    into the gradient in place) gives the same gradients again."""
+    monkeypatch.setattr("loss.TRANSPOSED_WEIGHT_GRAD", transposed)
     n, d, v = 2 * ROWS_PER_PASS + 5, 6, 13
     hidden = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(v, d, dtype=torch.float64, requires_grad=True)
