@@ -157,10 +157,10 @@ def _rdrop_softmax(hidden: torch.Tensor, weight: torch.Tensor, both: torch.Tenso
 
 
 # The weight gradient G^T hidden is the same sum in either operand order, but MKL (PyTorch's CPU GEMM) runs the two
-# orders at different speeds, and which one wins depends on the CPU: on Intel (hidden^T G)^T, 1.5x faster than
-# G^T hidden for an 8000x128 weight on one thread; on AMD EPYC Zen 4 G^T hidden, 33 against 43 ms for 5318x128 at
-# N = 4000, 2 threads, +3.4-4.4% tokens/s for the whole training step, and the same weights bit for bit after 40
-# updates of the En->De recipe. Elsewhere (GPUs) the order autograd uses, G^T hidden.
+# orders at different speeds, and which one wins depends on the CPU: on the Intel Xeon VM where the fused loss was
+# written (hidden^T G)^T, 1.5x faster than G^T hidden for an 8000x128 weight on one thread; on AMD EPYC Zen 4
+# G^T hidden, 33 against 43 ms for 5318x128 at N = 4000, 2 threads, +3.4-4.4% tokens/s for the whole training step,
+# and the same weights bit for bit after 40 updates of either recipe. Elsewhere (GPUs) autograd's order, G^T hidden.
 TRANSPOSED_WEIGHT_GRAD = cpu_info("vendor_id") == "GenuineIntel"
 
 
