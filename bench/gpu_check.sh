@@ -5,7 +5,7 @@
 #    nn.Transformer; fp32 and bf16), the synthetic table, cached beam search, attention variants;
 # 2. 300 bf16 training steps of the WMT14 base model (d 512, 8 heads, 6+6, d_ff 2048, shared vocab 37000) on
 #    synthetic batches with torch.compile: tokens/s and MFU against the measured and the nominal bf16 peak;
-# 3. the Multi30k En->De recipe itself in bf16 (configs/multi30k_en_de.yaml, 4800 updates): time to BLEU, tokens/s
+# 3. the Multi30k En->De recipe itself in bf16 (configs/multi30k_en_de.yaml, 6000 updates): time to BLEU, tokens/s
 #    in runs/gpu_multi30k_en_de/metrics.jsonl and the test scores in its results.json.
 # Results: bench/results_cuda.json, bench/results_wmt14_base.json, runs/gpu_multi30k_en_de/.
 set -euo pipefail
